@@ -1,0 +1,227 @@
+"""Measurement primitives shared by the benchmarks: timing, host memory, the synthetic state, raw I/O.
+
+Nothing here imports ``ckpt_engine``: the physical limits must not depend on the code they judge.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence, TypeVar
+
+import torch
+
+T = TypeVar("T")
+MiB = 1 << 20
+GB = 1e9
+
+
+# ---- timing ---------------------------------------------------------------------------------------
+def timed(fn: Callable[[], T]) -> tuple[float, T]:
+    """Run ``fn`` once; return (seconds on the monotonic high-resolution clock, its result)."""
+    start = time.perf_counter()
+    value = fn()
+    return time.perf_counter() - start, value
+
+
+def best_of(reps: int, fn: Callable[[], Any], before: Callable[[], None] | None = None) -> float:
+    """Fastest of ``reps`` runs of ``fn`` in seconds (``before`` runs untimed ahead of each)."""
+    times = []
+    for _ in range(reps):
+        if before is not None:
+            before()
+        times.append(timed(fn)[0])
+    return min(times)
+
+
+def summary(values: Sequence[float]) -> dict[str, float]:
+    """min / median / max of a non-empty sequence."""
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    """Throughput in GB/s (10^9 bytes per second); 0 for a zero time."""
+    return nbytes / seconds / GB if seconds > 0 else 0.0
+
+
+# ---- host memory ----------------------------------------------------------------------------------
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process now."""
+    return _status_kib("VmRSS") * 1024
+
+
+class MemProbe:
+    """Peak RSS growth of this process (all threads) over a stretch of code.
+
+    ``start()`` hands the allocator's free memory back to the kernel (glibc ``malloc_trim``:
+    otherwise memory freed by an earlier contender is reused without growing RSS and hides
+    the allocation), resets the kernel's high-water mark (``echo 5 > /proc/self/clear_refs``,
+    Linux >= 4.0) and notes the RSS; ``peak_extra()`` is ``VmHWM - that RSS``. Where the reset
+    is not permitted the old high-water mark may hide the peak; ``exact`` says which case holds.
+    Page cache is not RSS, so written or read files do not count.
+    """
+
+    def __init__(self) -> None:
+        self.baseline = 0
+        self.exact = True
+
+    def start(self, baseline: int | None = None) -> "MemProbe":
+        """Reset the peak; measure growth from ``baseline`` bytes (default: the RSS now)."""
+        trim_heap()
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            self.exact = False
+        self.baseline = rss_bytes() if baseline is None else baseline
+        return self
+
+    def peak_extra(self) -> int:
+        """Bytes by which the peak RSS since ``start()`` exceeded the baseline."""
+        return max(0, _status_kib("VmHWM") * 1024 - self.baseline)
+
+
+def trim_heap() -> None:
+    """Return free heap memory to the kernel (glibc only; a no-op elsewhere)."""
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+# ---- the synthetic training state -----------------------------------------------------------------
+@dataclass(frozen=True)
+class StateSpec:
+    """Shape of the benchmark state: ``large`` big float32 tensors plus ``small`` 1-64 KiB ones."""
+
+    size_mib: int
+    large: int = 64
+    small: int = 300
+    seed: int = 0
+
+    def small_numels(self) -> list[int]:
+        """Element counts of the small tensors (biases, norms): 1-64 KiB of float32 each."""
+        rng = random.Random(self.seed)
+        return [rng.randint(256, 16384) for _ in range(self.small)]
+
+    def large_numel(self) -> int:
+        """Elements of each large tensor, so that the whole state is ``size_mib`` MiB."""
+        rest = self.size_mib * MiB - 4 * sum(self.small_numels())
+        return max(1024, rest // (4 * self.large))
+
+
+def make_state(spec: StateSpec) -> dict[str, Any]:
+    """A nested, replicated training state: identical on every rank (same seed)."""
+    gen = torch.Generator().manual_seed(spec.seed)
+    side = spec.large_numel()
+    model: dict[str, torch.Tensor] = {}
+    for i in range(spec.large):
+        weight = torch.rand(side, generator=gen)
+        model[f"block{i}.weight"] = weight.reshape(-1, 256) if side % 256 == 0 else weight
+    for i, n in enumerate(spec.small_numels()):
+        model[f"block{i % spec.large}.norm{i // spec.large}.weight"] = torch.rand(n, generator=gen)
+    return {"model": model, "meta": {"epoch": 3, "global_step": 12345, "lr": 1e-3}}
+
+
+def tensors_of(state: Any) -> list[torch.Tensor]:
+    """Every tensor of a nested dict/list state, in a stable order."""
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for v in state.values() for t in tensors_of(v)]
+    if isinstance(state, (list, tuple)):
+        return [t for v in state for t in tensors_of(v)]
+    return []
+
+
+def state_bytes(state: Any) -> int:
+    """Tensor bytes of a nested state."""
+    return sum(t.numel() * t.element_size() for t in tensors_of(state))
+
+
+def empty_like_state(state: Any) -> Any:
+    """Same structure with freshly allocated (untouched) tensors: a restore target."""
+    if isinstance(state, torch.Tensor):
+        return torch.empty_like(state)
+    if isinstance(state, dict):
+        return {k: empty_like_state(v) for k, v in state.items()}
+    return state
+
+
+def states_equal(a: Any, b: Any) -> bool:
+    """Bitwise equality of two nested states' tensors (and of the structure)."""
+    ta, tb = tensors_of(a), tensors_of(b)
+    return len(ta) == len(tb) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(ta, tb))
+
+
+# ---- a rank's share and raw I/O -------------------------------------------------------------------
+def share_slices(state: Any, rank: int, world: int) -> list[tuple[int, int]]:
+    """(address, nbytes) of this rank's contiguous 1/world of every tensor (DeepFreeze-style)."""
+    out = []
+    for t in tensors_of(state):
+        item, n = t.element_size(), t.numel()
+        start, stop = n * rank // world, n * (rank + 1) // world
+        if stop > start:
+            out.append((t.data_ptr() + start * item, (stop - start) * item))
+    return out
+
+
+def write_fsync(path: str, views: Iterable[memoryview]) -> int:
+    """Write ``views`` to a new file with ``os.write`` and ``fsync`` it; returns the bytes written."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    done = 0
+    try:
+        for view in views:
+            view = view.cast("B")
+            pos = 0
+            while pos < len(view):
+                pos += os.write(fd, view[pos:])
+            done += pos
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return done
+
+
+def read_into(paths: Sequence[str], dest: memoryview) -> int:
+    """Read ``paths`` back to back into ``dest`` with ``preadv``; returns the bytes read."""
+    got = 0
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            offset = 0
+            while True:
+                n = os.preadv(fd, [dest[got:]], offset)
+                if n == 0:
+                    break
+                got, offset = got + n, offset + n
+        finally:
+            os.close(fd)
+    return got
+
+
+def fsync_path(path: str) -> None:
+    """``fsync`` an existing file (or directory) by path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A writable byte memoryview of a contiguous CPU tensor's memory."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())

@@ -1,0 +1,197 @@
+"""Turn the benchmark's figures into ratios, targets and PASS/FAIL, then markdown, JSON and a PNG.
+
+Every ratio is computed from figures of the same run. ``ours ÷ limit`` and ``ours ÷ best peer`` are
+plain quotients of the displayed values (for times lower is better, for GB/s higher is better).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+from _common import MiB, gbps
+
+PEERS = {"torch_save": "torch.save", "lightning": "Lightning AsyncCheckpointIO",
+         "dcp_save": "DCP save", "dcp_async": "DCP async_save"}
+LOAD_PEERS = {"torch_save": "torch.load", "dcp_save": "DCP load"}
+Agg = dict[str, dict[str, float]]
+MEM_SLACK_MIB = 4
+"""Allowance over the snapshot buffer for interpreter and metadata noise (manifest JSON, records)."""
+
+
+@dataclass
+class Row:
+    """One line of the table: a figure of ours next to its physical limit and its best peer."""
+
+    world: str
+    metric: str
+    unit: str
+    ours: float
+    limit: float
+    limit_name: str
+    peer: float | None
+    peer_name: str
+    target: str
+    passed: bool | None
+
+    @property
+    def vs_limit(self) -> float:
+        return self.ours / self.limit if self.limit else float("nan")
+
+    @property
+    def vs_peer(self) -> float:
+        return self.ours / self.peer if self.peer else float("nan")
+
+
+def _best(values: dict[str, float], lower_is_better: bool) -> tuple[str, float | None]:
+    if not values:
+        return "-", None
+    name = (min if lower_is_better else max)(values, key=values.__getitem__)
+    return name, values[name]
+
+
+def _row(world: str, metric: str, unit: str, ours: float, limit: tuple[str, float], peers: dict[str, float],
+         lower_is_better: bool, target: str, check: Callable[[float, float], bool] | None) -> Row:
+    """A row whose ``check(ours, limit)`` decides PASS/FAIL (``None``: informative only)."""
+    peer_name, peer = _best(peers, lower_is_better)
+    return Row(world, metric, unit, ours, limit[1], limit[0], peer, peer_name, target,
+               None if check is None else check(ours, limit[1]))
+
+
+def world_rows(world: int, agg: Agg) -> list[Row]:
+    """Stall, time to committed, persist throughput, restore throughput and memory for one world size."""
+    w, ours, total = str(world), agg["ours"], agg["state"]["bytes"]
+    share = ours["share_bytes"]
+    stall_peers = {PEERS[p]: agg[p]["stall_s"] * 1e3 for p in PEERS if "stall_s" in agg[p]}
+    memcpy = ("memcpy of share", agg["memcpy"]["stall_s"] * 1e3)
+    raw_w, raw_r = agg["raw_write"], agg["raw_read"]
+    return [
+        _row(w, "stall, steady state (best of saves 2..N)", "ms", ours["stall_s"] * 1e3, memcpy, stall_peers,
+             True, "≤ 1.10 × limit", lambda o, lim: o <= 1.10 * lim),
+        _row(w, "stall, first save", "ms", ours["stall_first_s"] * 1e3, memcpy, stall_peers, True, "info", None),
+        _row(w, "time to committed (steady)", "s", ours["total_s"], ("raw write+fsync", raw_w["total_s"]),
+             {PEERS[p]: agg[p]["total_s"] for p in PEERS if "total_s" in agg[p]}, True, "info", None),
+        _row(w, "persist throughput of rank share", "GB/s", gbps(share, ours["total_s"]),
+             ("raw write+fsync", gbps(raw_w["bytes"], raw_w["total_s"])),
+             {PEERS[p]: gbps(total // world, agg[p]["total_s"]) for p in PEERS if "total_s" in agg[p]},
+             False, "≥ 0.90 × limit", lambda o, lim: o >= 0.90 * lim),
+        _row(w, "restore throughput (whole state per rank)", "GB/s", gbps(total, ours["load_s"]),
+             ("raw read (page cache)", gbps(raw_r["bytes"], raw_r["load_s"])),
+             {LOAD_PEERS[p]: gbps(total, agg[p]["load_s"]) for p in LOAD_PEERS},
+             False, "≥ 0.90 × limit", lambda o, lim: o >= 0.90 * lim),
+        _row(w, "restore throughput vs fault-inclusive read", "GB/s", gbps(total, ours["load_s"]),
+             ("raw read into fresh buffer", gbps(raw_r["bytes"], raw_r["load_fresh_s"])),
+             {LOAD_PEERS[p]: gbps(total, agg[p]["load_s"]) for p in LOAD_PEERS}, False, "info", None),
+        _row(w, "peak extra host memory (1 in-flight snapshot)", "MiB", ours["mem_extra_bytes"] / MiB,
+             ("rank share", share / MiB),
+             {PEERS[p]: agg[p]["mem_extra_bytes"] / MiB for p in PEERS if "mem_extra_bytes" in agg[p]},
+             True, f"≤ 1.00 × limit + {MEM_SLACK_MIB} MiB", lambda o, lim: o <= lim + MEM_SLACK_MIB),
+    ]
+
+
+def scaling_row(one: Agg, two: Agg) -> Row:
+    """2-rank slowest-rank stall ÷ 1-rank stall: does slicing divide the stall?"""
+    peers = {PEERS[p]: two[p]["stall_s"] / one[p]["stall_s"] for p in PEERS if "stall_s" in one[p]}
+    return _row("2 vs 1", "stall scaling (2-rank slowest ÷ 1-rank)", "×", two["ours"]["stall_s"] / one["ours"]["stall_s"],
+                ("memcpy scaling", two["memcpy"]["stall_s"] / one["memcpy"]["stall_s"]), peers, True,
+                "≤ 0.60 (ours)", lambda o, _: o <= 0.60)
+
+
+def all_rows(worlds: dict[int, dict[str, Any]]) -> list[Row]:
+    rows = [row for w, res in worlds.items() for row in world_rows(w, res["slowest"])]
+    if 1 in worlds and 2 in worlds:
+        rows.append(scaling_row(worlds[1]["slowest"], worlds[2]["slowest"]))
+    return rows
+
+
+def _fmt(x: float | None) -> str:
+    if x is None or x != x:
+        return "-"
+    return f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}"
+
+
+def markdown(rows: list[Row], worlds: dict[int, dict[str, Any]], config: dict[str, Any]) -> str:
+    """The headline table, then every contender's raw figures per world size."""
+    head = ("| ranks | metric | unit | ours | physical limit | ours ÷ limit | best peer | ours ÷ best peer "
+            "| target | result |\n|---|---|---|---|---|---|---|---|---|---|")
+    lines = [f"# bench_save: {config['size_mib']} MiB state, {config['cpu_count']} cores, torch {config['torch']}",
+             "", "Slowest rank of each world size; reads come from the page cache (nothing is dropped).", "", head]
+    for r in rows:
+        verdict = "info" if r.passed is None else ("PASS" if r.passed else "FAIL")
+        lines.append(f"| {r.world} | {r.metric} | {r.unit} | {_fmt(r.ours)} | {r.limit_name}: {_fmt(r.limit)} "
+                     f"| {_fmt(r.vs_limit)} | {r.peer_name}: {_fmt(r.peer)} | {_fmt(r.vs_peer)} | {r.target} "
+                     f"| {verdict} |")
+    lines += ["", "Peer persist GB/s = (state bytes ÷ ranks) ÷ time to durable, i.e. the same rank-share "
+              "figure as ours. Lightning's total includes an fsync after teardown().", ""]
+    lines += contender_table(worlds)
+    return "\n".join(lines) + "\n"
+
+
+def contender_table(worlds: dict[int, dict[str, Any]]) -> list[str]:
+    """Raw figures of every contender (slowest rank), in ms / s / MiB."""
+    lines = ["| ranks | contender | stall ms | to durable s | restore s | extra RSS MiB | restore bit-exact |",
+             "|---|---|---|---|---|---|---|"]
+    for w, res in worlds.items():
+        for name, m in res["slowest"].items():
+            if name == "state":
+                continue
+            stall = m.get("stall_s")
+            ok = {1.0: "yes", 0.0: "NO"}.get(m.get("load_ok", -1), "-")
+            lines.append(f"| {w} | {name} | {_fmt(stall * 1e3 if stall is not None else None)} "
+                         f"| {_fmt(m.get('total_s'))} | {_fmt(m.get('load_s'))} "
+                         f"| {_fmt(m['mem_extra_bytes'] / MiB if 'mem_extra_bytes' in m else None)} | {ok} |")
+            if "load_fresh_s" in m:
+                lines.append(f"| {w} | {name} (into fresh buffer) | - | - | {_fmt(m['load_fresh_s'])} | - | - |")
+    return lines
+
+
+def plot(rows: list[Row], path: str) -> None:
+    """Four panels (stall, persist, restore, memory): ours, the limit and the best peer per world size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    panels = [("stall, steady", "stall ms (log)"), ("persist throughput", "persist GB/s (rank share)"),
+              ("restore throughput (", "restore GB/s (limit: warm buffer)"), ("peak extra host", "extra host memory MiB")]
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4.5))
+    for ax, (prefix, title) in zip(axes, panels):
+        picked = [r for r in rows if r.metric.startswith(prefix)]
+        for i, r in enumerate(picked):
+            bars = [("ours", r.ours, "tab:blue"), (r.limit_name, r.limit, "tab:gray"),
+                    (r.peer_name, r.peer or 0.0, "tab:orange")]
+            for j, (label, value, color) in enumerate(bars):
+                ax.bar(i * 4 + j, value, color=color)
+                ax.text(i * 4 + j, value, f"{label}\n{_fmt(value)}", ha="center", va="bottom", fontsize=6)
+        ax.set_xticks([i * 4 + 1 for i in range(len(picked))], [f"{r.world} rank(s)" for r in picked])
+        ax.set_title(title, fontsize=9)
+        if prefix.startswith("stall"):
+            ax.set_yscale("log")
+    colors = {"ours": "tab:blue", "physical limit": "tab:gray", "best peer": "tab:orange"}
+    axes[0].legend(handles=[Patch(color=c, label=k) for k, c in colors.items()], fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _finite(x: float) -> float | None:
+    return x if x == x and abs(x) != float("inf") else None
+
+
+def write_report(worlds: dict[int, dict[str, Any]], config: dict[str, Any], out: str) -> str:
+    """Write ``bench_save.{md,json,png}`` under ``out``; return the markdown."""
+    os.makedirs(out, exist_ok=True)
+    rows = all_rows(worlds)
+    text = markdown(rows, worlds, config)
+    with open(os.path.join(out, "bench_save.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(out, "bench_save.json"), "w") as f:
+        rows_json = [{**asdict(r), "ours_vs_limit": _finite(r.vs_limit), "ours_vs_peer": _finite(r.vs_peer)}
+                     for r in rows]
+        json.dump({"config": config, "rows": rows_json, "worlds": {str(w): res for w, res in worlds.items()}},
+                  f, indent=1, allow_nan=False)
+    plot(rows, os.path.join(out, "bench_save.png"))
+    return text

@@ -1,0 +1,18 @@
+"""ckpt_engine: framework-agnostic two-phase, rank-sliced checkpointing.
+
+Imports neither Lightning nor Horovod; the front ends (``lightning_ckpt``, ``horovod_ckpt``)
+are thin adapters over :class:`Checkpointer`.
+"""
+
+from .checkpointer import Checkpointer, SaveHandle
+from .comm import Comm, LocalComm, TorchDistComm
+from .errors import (CheckpointError, CommitTimeoutError, CorruptionError, FormatError, NoCheckpointError,
+                     StorageError, UnsupportedValueError)
+from .persist import SaveRecord
+
+__all__ = [
+    "Checkpointer", "SaveHandle", "SaveRecord", "Comm", "LocalComm", "TorchDistComm",
+    "CheckpointError", "CommitTimeoutError", "CorruptionError", "FormatError", "NoCheckpointError",
+    "StorageError", "UnsupportedValueError",
+]
+__version__ = "0.1.0"

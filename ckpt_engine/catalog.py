@@ -1,0 +1,81 @@
+"""Naming and listing of checkpoint directories below a root.
+
+Each save attempt gets its own directory ``step-<step:012d>-<attempt>``: the attempt tag is the
+job incarnation (agreed once at start) plus a save counter, so all ranks name it alike without
+talking, and a step saved again (a resumed job reaching it a second time) goes to a fresh
+directory. That is what makes the replacement atomic: readers see the old complete checkpoint
+or the new one, chosen by the manifest's ``created_at``, never a mix of files.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .errors import CheckpointError
+from .manifest import MANIFEST_NAME, Manifest
+from .storage import Storage
+
+_DIR = re.compile(r"step-(\d{12,})-([0-9a-z]{1,64})")
+LATEST = "latest"
+
+
+def dir_name(step: int, attempt: str) -> str:
+    """Directory of one save attempt."""
+    return f"step-{step:012d}-{attempt}"
+
+
+def parse_dir(name: str) -> tuple[int, str] | None:
+    """``(step, attempt)`` of a checkpoint directory name, or ``None`` for anything else."""
+    m = _DIR.fullmatch(name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A committed checkpoint found at the root."""
+
+    step: int
+    dirname: str
+    manifest: Manifest
+
+
+def attempt_dirs(storage: Storage) -> list[str]:
+    """Every checkpoint directory at the root, committed or not, sorted by name."""
+    return [n for n in storage.listdir() if parse_dir(n) is not None]
+
+
+def committed(storage: Storage) -> list[Entry]:
+    """Committed checkpoints, oldest first; for one step, only the newest committed attempt.
+
+    A directory whose manifest cannot be parsed is skipped here (``verify`` reports it).
+    """
+    newest: dict[int, Entry] = {}
+    for name in attempt_dirs(storage):
+        step = parse_dir(name)[0]  # type: ignore[index]
+        if not storage.exists(f"{name}/{MANIFEST_NAME}"):
+            continue
+        try:
+            manifest = Manifest.from_json(storage.read_bytes(f"{name}/{MANIFEST_NAME}"), storage.describe(name))
+        except CheckpointError:  # unreadable or removed meanwhile: not a checkpoint to list
+            continue
+        if manifest.step != step:
+            continue
+        old = newest.get(step)
+        if old is None or manifest.created_at > old.manifest.created_at:
+            newest[step] = Entry(step, name, manifest)
+    return [newest[s] for s in sorted(newest)]
+
+
+def manifest_dirs(storage: Storage, step: int | None = None) -> list[tuple[int, str]]:
+    """``(step, dirname)`` of every directory holding a manifest file, parseable or not, sorted.
+
+    Loading and verifying start from the last of these, so a damaged newest manifest raises
+    instead of being skipped silently in favour of an older checkpoint.
+    """
+    found = []
+    for name in attempt_dirs(storage):
+        dir_step = parse_dir(name)[0]  # type: ignore[index]
+        if (step is None or dir_step == step) and storage.exists(f"{name}/{MANIFEST_NAME}"):
+            found.append((dir_step, name))
+    return sorted(found)

@@ -1,0 +1,108 @@
+"""The communicator the engine uses on the training thread: rank, world size, a few collectives.
+
+The engine calls these only from the thread that calls ``Checkpointer`` methods, and only in
+calls every rank makes in the same order (construction, the front ends' decisions); background
+work coordinates through storage instead. Payloads are JSON values (sent as UTF-8 bytes in a
+uint8 tensor), never pickles. Front ends inject their own implementation (e.g. Horovod's).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from .errors import CheckpointError
+
+
+@runtime_checkable
+class Comm(Protocol):
+    """What ``Checkpointer`` needs from the job's communicator."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def broadcast(self, value: Any, src: int = 0) -> Any:
+        """Every rank returns ``src``'s JSON-serializable ``value``."""
+        ...
+
+    def all_gather(self, value: Any) -> list[Any]:
+        """Every rank returns the list of all ranks' JSON-serializable values, by rank."""
+        ...
+
+
+class LocalComm:
+    """A single process, no distributed setup at all."""
+
+    rank = 0
+    world_size = 1
+
+    def broadcast(self, value: Any, src: int = 0) -> Any:
+        return value
+
+    def all_gather(self, value: Any) -> list[Any]:
+        return [value]
+
+
+class TorchDistComm:
+    """``torch.distributed`` (gloo, or NCCL with CUDA tensors) on ``group`` (default: WORLD).
+
+    ``torch.distributed`` must be initialized before this is constructed.
+    """
+
+    def __init__(self, group: Any = None) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise CheckpointError("TorchDistComm needs torch.distributed.init_process_group() to be called first")
+        self._dist = dist
+        self._group = group
+        self._device = torch.device("cpu")
+        if dist.get_backend(group) == "nccl":
+            self._device = torch.device("cuda", torch.cuda.current_device())
+
+    @property
+    def rank(self) -> int:
+        return self._dist.get_rank(self._group)
+
+    @property
+    def world_size(self) -> int:
+        return self._dist.get_world_size(self._group)
+
+    def broadcast(self, value: Any, src: int = 0) -> Any:
+        payload = _encode(value) if self.rank == src else torch.empty(0, dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64, device=self._device)
+        self._dist.broadcast(size, self._global(src), group=self._group)
+        if self.rank != src:
+            payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        payload = payload.to(self._device)
+        self._dist.broadcast(payload, self._global(src), group=self._group)
+        return _decode(payload)
+
+    def all_gather(self, value: Any) -> list[Any]:
+        payload = _encode(value).to(self._device)
+        size = torch.tensor([payload.numel()], dtype=torch.int64, device=self._device)
+        sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
+        self._dist.all_gather(sizes, size, group=self._group)
+        longest = int(max(s.item() for s in sizes))
+        padded = torch.zeros(longest, dtype=torch.uint8, device=self._device)
+        padded[: payload.numel()] = payload
+        out = [torch.empty_like(padded) for _ in range(self.world_size)]
+        self._dist.all_gather(out, padded, group=self._group)
+        return [_decode(o[: int(s.item())]) for o, s in zip(out, sizes)]
+
+    def _global(self, rank: int) -> int:
+        return rank if self._group is None else self._dist.get_global_rank(self._group, rank)
+
+
+def _encode(value: Any) -> torch.Tensor:
+    raw = json.dumps(value, separators=(",", ":")).encode()
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+
+
+def _decode(payload: torch.Tensor) -> Any:
+    return json.loads(bytes(payload.cpu().numpy().tobytes()).decode())

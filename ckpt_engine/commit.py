@@ -1,0 +1,184 @@
+"""Commit, retention and sweeping: what makes a set of rank files a checkpoint, and what removes one.
+
+Coordination goes through storage only, never through a collective (the committer runs on a
+background thread, and a collective there would deadlock against the training process group):
+
+1. every rank writes its data file, then its index file (atomically), or an abort marker
+   ``rank-NNNNN.abort.json`` saying it skipped this checkpoint or failed;
+2. rank 0's background worker polls the attempt directory (fresh listings) until every rank's
+   index file is there, reads and checks them, and writes ``manifest.json`` last, atomically
+   (temp + rename on filesystems, a single PUT on object stores): that write is the commit;
+3. then the ``latest`` pointer, then retention.
+
+Removal goes the other way round: the manifest first (the checkpoint stops existing at once),
+then the files.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import xxhash
+
+from .catalog import LATEST, attempt_dirs, parse_dir
+from .errors import CheckpointError, CommitTimeoutError, FormatError
+from .manifest import MANIFEST_NAME, Manifest, RankIndex, RankRecord, check_coverage, index_file
+from .storage import Storage
+
+
+def abort_file(rank: int) -> str:
+    """Name of the marker a rank writes when it will not deliver its files for an attempt."""
+    return f"rank-{rank:05d}.abort.json"
+
+
+class Abandoned(CheckpointError):
+    """A rank skipped this checkpoint (back-pressure): it is dropped without an error."""
+
+
+def write_abort(storage: Storage, dirname: str, rank: int, reason: str, message: str = "") -> None:
+    """Tell the committer (and waiting ranks) that ``rank`` will not deliver ``dirname``."""
+    storage.makedirs(dirname)
+    storage.write_atomic(f"{dirname}/{abort_file(rank)}", json.dumps({"reason": reason, "message": message}).encode())
+
+
+def _check_aborts(storage: Storage, dirname: str, names: set[str], world_size: int) -> None:
+    for rank in range(world_size):
+        if abort_file(rank) in names:
+            try:
+                info = json.loads(storage.read_bytes(f"{dirname}/{abort_file(rank)}"))
+            except (ValueError, CheckpointError):
+                info = {"reason": "failed", "message": "unreadable abort marker"}
+            if info.get("reason") == "skipped":
+                raise Abandoned(f"rank {rank} skipped {dirname}")
+            raise CheckpointError(f"rank {rank} failed to persist {storage.describe(dirname)}: "
+                                  f"{info.get('message', '')}")
+
+
+def wait_for_ranks(storage: Storage, dirname: str, world_size: int, timeout: float,
+                   poll: float = 0.002) -> None:
+    """Block until every rank's index file is in ``dirname``.
+
+    Raises :class:`Abandoned` or :class:`CheckpointError` when a rank wrote an abort marker, and
+    :class:`CommitTimeoutError` naming the missing ranks after ``timeout`` seconds.
+    """
+    wanted = {index_file(r) for r in range(world_size)}
+    deadline = time.monotonic() + timeout
+    while True:
+        names = set(storage.listdir(dirname))
+        _check_aborts(storage, dirname, names, world_size)
+        missing = wanted - names
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            ranks = sorted(int(n[5:10]) for n in missing)
+            raise CommitTimeoutError(
+                f"{storage.describe(dirname)}: ranks {ranks} did not report their files within {timeout:.0f} s; "
+                "is every rank calling save() for the same steps?"
+            )
+        time.sleep(poll)
+        poll = min(poll * 2, 0.1)
+
+
+def wait_for_commit(storage: Storage, dirname: str, world_size: int, timeout: float) -> None:
+    """On a rank other than 0: block until rank 0 committed ``dirname`` (or it was abandoned)."""
+    deadline = time.monotonic() + timeout
+    poll = 0.002
+    while True:
+        names = set(storage.listdir(dirname))
+        if MANIFEST_NAME in names:
+            return
+        try:
+            _check_aborts(storage, dirname, names, world_size)
+        except Abandoned:
+            return
+        if time.monotonic() > deadline:
+            raise CommitTimeoutError(f"{storage.describe(dirname)}: rank 0 did not commit within {timeout:.0f} s")
+        time.sleep(poll)
+        poll = min(poll * 2, 0.1)
+
+
+@dataclass(frozen=True)
+class CommitInputs:
+    """What rank 0 knows from its own save: everything of the manifest but the rank records."""
+
+    step: int
+    world_size: int
+    attempt: str
+    manifest_body: Callable[[tuple[RankRecord, ...], float], Manifest]
+
+
+def commit(storage: Storage, dirname: str, inputs: CommitInputs, timeout: float) -> Manifest:
+    """Wait for all ranks, check their index files, write the manifest, then ``latest``."""
+    wait_for_ranks(storage, dirname, inputs.world_size, timeout)
+    records, indexes = [], []
+    for rank in range(inputs.world_size):
+        raw = storage.read_bytes(f"{dirname}/{index_file(rank)}")
+        where = storage.describe(f"{dirname}/{index_file(rank)}")
+        idx = RankIndex.from_json(raw, where)
+        if (idx.step, idx.rank, idx.world_size, idx.attempt) != (inputs.step, rank, inputs.world_size, inputs.attempt):
+            raise FormatError(f"{where}: written for step {idx.step} attempt {idx.attempt!r} by rank {idx.rank} of "
+                              f"{idx.world_size}, expected step {inputs.step} attempt {inputs.attempt!r}")
+        indexes.append(idx)
+        records.append(RankRecord(rank, idx.data_bytes, len(raw), xxhash.xxh3_64_hexdigest(raw)))
+    manifest = inputs.manifest_body(tuple(records), time.time())
+    check_coverage(manifest, indexes, lambda r: storage.describe(f"{dirname}/{index_file(r)}"))
+    storage.write_atomic(f"{dirname}/{MANIFEST_NAME}", manifest.to_json())
+    storage.write_atomic(LATEST, dirname.encode())
+    return manifest
+
+
+def remove_checkpoint(storage: Storage, dirname: str) -> None:
+    """Delete a checkpoint directory: manifest first, so it stops being a checkpoint at once."""
+    storage.remove(f"{dirname}/{MANIFEST_NAME}")
+    storage.remove(dirname)
+
+
+def retain(storage: Storage, committed_dir: str, keep_last: int | None, attempt_prefix: str) -> list[str]:
+    """After committing ``committed_dir``: drop what it makes obsolete. Returns removed names.
+
+    * older attempts of the same step (the new one replaces them);
+    * this job's attempts older than it that never committed (rank 0 commits in order, so they
+      never will: a rank skipped or failed them);
+    * committed checkpoints beyond the ``keep_last`` highest steps (never the newest).
+    """
+    step, attempt = parse_dir(committed_dir)  # type: ignore[misc]
+    removed = []
+    kept_steps = []
+    for name in attempt_dirs(storage):
+        if name == committed_dir:
+            continue
+        other_step, other_attempt = parse_dir(name)  # type: ignore[misc]
+        has_manifest = storage.exists(f"{name}/{MANIFEST_NAME}")
+        dead = not has_manifest and other_attempt.startswith(attempt_prefix) and other_attempt < attempt
+        if other_step == step or dead:
+            remove_checkpoint(storage, name)
+            removed.append(name)
+        elif has_manifest:
+            kept_steps.append((other_step, name))
+    if keep_last is not None:
+        newer = sorted(kept_steps + [(step, committed_dir)], reverse=True)
+        for _, name in newer[keep_last:]:
+            if name != committed_dir:
+                remove_checkpoint(storage, name)
+                removed.append(name)
+    return removed
+
+
+def sweep(storage: Storage) -> list[str]:
+    """At start, before any rank writes: remove uncommitted attempts and stale temp files.
+
+    Call it on one rank only, while no save of this path is in progress (the job's previous
+    incarnation is dead). Returns the removed names.
+    """
+    removed = []
+    for name in attempt_dirs(storage):
+        if not storage.exists(f"{name}/{MANIFEST_NAME}"):
+            storage.remove(name)
+            removed.append(name)
+    for tmp in storage.stale_temp_files():
+        storage.remove(tmp)
+        removed.append(tmp)
+    return removed

@@ -1,0 +1,35 @@
+"""One exception family for everything the engine raises.
+
+Callers catch :class:`CheckpointError`; the subclasses say which part failed so that a
+front end can decide (retry, fall back to an older checkpoint, stop the job).
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every error raised by ckpt_engine."""
+
+
+class UnsupportedValueError(CheckpointError, TypeError):
+    """A value in the state cannot be stored safely (it would need pickle)."""
+
+
+class FormatError(CheckpointError, ValueError):
+    """A manifest or index file is malformed, hostile or of an unknown format version."""
+
+
+class CorruptionError(CheckpointError):
+    """Bytes read back do not match their checksum, or a file is missing or truncated."""
+
+
+class StorageError(CheckpointError, OSError):
+    """The storage backend failed (write, read, rename, listing)."""
+
+
+class CommitTimeoutError(CheckpointError, TimeoutError):
+    """Not every rank reported its bytes durable within the commit timeout."""
+
+
+class NoCheckpointError(CheckpointError, FileNotFoundError):
+    """No committed checkpoint (or not the requested step) exists at the path."""

@@ -1,0 +1,153 @@
+"""Persist (phase 2): a background worker writes each snapshot, and on rank 0 commits it.
+
+One worker thread per ``Checkpointer`` handles jobs in save order: wait for the snapshot copy
+(deferred or CUDA), checksum each slice (xxh3-64, which releases the GIL), write the rank's data
+file straight from the host buffer, write its index file, give the buffer back, and on rank 0
+run the commit. A failure is kept and re-raised once on the training side (next ``save``,
+``wait`` or ``close``); the failing rank also writes an abort marker so the committer stops
+waiting, and the checkpoint never gets a manifest.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import xxhash
+
+from .commit import Abandoned, CommitInputs, commit, write_abort
+from .manifest import IndexEntry, RankIndex, TensorEntry, data_file, index_file
+from .snapshot import BufferPool, HostBuffer, Piece
+from .storage import Storage
+
+
+@dataclass
+class SaveRecord:
+    """Figures of one checkpoint on this rank (seconds and bytes)."""
+
+    step: int
+    dirname: str
+    bytes: int
+    stall_s: float = 0.0
+    snapshot_s: float = 0.0
+    persist_s: float = 0.0
+    commit_s: float = 0.0
+    committed: bool = False
+    skipped: bool = False
+
+
+@dataclass
+class PersistJob:
+    """Everything the worker needs to write one rank's part of one checkpoint."""
+
+    dirname: str
+    step: int
+    rank: int
+    world_size: int
+    attempt: str
+    buffer: HostBuffer
+    nbytes: int
+    pieces: tuple[Piece, ...]
+    local_tensors: tuple[TensorEntry, ...]
+    local_tree: Any
+    record: SaveRecord
+    snapshot: "Future[None] | None" = None
+    commit: CommitInputs | None = None
+    stats: dict = field(default_factory=dict)
+
+
+def write_rank(storage: Storage, job: PersistJob) -> None:
+    """Checksum and write the rank's data file, then its index file (both durable on return)."""
+    if job.snapshot is not None:
+        job.snapshot.result()
+    if job.buffer.event is not None:
+        job.buffer.event.synchronize()
+    start = time.perf_counter()
+    view = job.buffer.view(job.nbytes)
+    entries = tuple(
+        IndexEntry(p.local, p.tensor, p.start, p.stop, p.offset, p.nbytes,
+                   xxhash.xxh3_64_hexdigest(view[p.offset:p.offset + p.nbytes]))
+        for p in job.pieces
+    )
+    storage.makedirs(job.dirname)
+    storage.write_stream(f"{job.dirname}/{data_file(job.rank)}", [view])
+    job.record.persist_s = time.perf_counter() - start
+    index = RankIndex(job.step, job.rank, job.world_size, job.attempt, job.nbytes, entries, job.local_tensors,
+                      job.local_tree, {"snapshot_s": job.record.snapshot_s, "persist_s": job.record.persist_s,
+                                       "stall_s": job.record.stall_s})
+    storage.write_atomic(f"{job.dirname}/{index_file(job.rank)}", index.to_json())
+
+
+class PersistWorker:
+    """The background thread of one ``Checkpointer``; jobs run one at a time, in order."""
+
+    def __init__(self, storage: Storage, pool: BufferPool, commit_timeout: float,
+                 after_commit: Callable[[PersistJob], None]) -> None:
+        self._storage = storage
+        self._pool = pool
+        self._timeout = commit_timeout
+        self._after_commit = after_commit
+        self._queue: "queue.Queue[PersistJob | None]" = queue.Queue()
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="ckpt-persist", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: PersistJob) -> None:
+        """Queue ``job``; its buffer is already taken from the pool (that bounds the queue)."""
+        self._queue.put(job)
+
+    def drain(self) -> None:
+        """Block until every submitted job finished (committed on rank 0)."""
+        self._queue.join()
+
+    def take_error(self) -> BaseException | None:
+        """The first background failure since the last call, once."""
+        with self._lock:
+            error, self._error = self._error, None
+        return error
+
+    def stop(self) -> None:
+        """Finish queued jobs, then end the thread."""
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                self._process(job)
+            finally:
+                self._queue.task_done()
+
+    def _process(self, job: PersistJob) -> None:
+        try:
+            try:
+                write_rank(self._storage, job)
+            finally:
+                self._pool.release(job.buffer)
+            if job.commit is not None:
+                start = time.perf_counter()
+                commit(self._storage, job.dirname, job.commit, self._timeout)
+                job.record.commit_s = time.perf_counter() - start
+                job.record.committed = True
+                self._after_commit(job)
+        except Abandoned:
+            job.record.skipped = True
+        except BaseException as e:  # noqa: BLE001 - kept and re-raised on the training side
+            self._fail(job, e)
+
+    def _fail(self, job: PersistJob, error: BaseException) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = error
+        try:
+            write_abort(self._storage, job.dirname, job.rank, "failed", f"{type(error).__name__}: {error}")
+        except Exception:  # noqa: BLE001 - storage is failing already; the original error is what matters
+            pass

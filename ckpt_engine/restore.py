@@ -1,0 +1,141 @@
+"""Restore: read a committed checkpoint back, verifying every byte on the way.
+
+Every rank reads what it needs directly from storage (the whole replicated state, which it
+reassembles from all writers' slices, whatever the writers' world size): on one machine the
+reads come from the page cache and beat a read-then-broadcast; the choice is measured in
+``benchmarks/bench_save.py``. Each slice is read straight into the destination tensor's memory
+(``preadv`` on local files), then hashed in place; files are read in parallel threads (both
+``preadv`` and xxhash release the GIL).
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import xxhash
+
+from .errors import CorruptionError, FormatError, StorageError
+from .manifest import (MANIFEST_NAME, IndexEntry, Manifest, RankIndex, TensorEntry, check_coverage,
+                       data_file, index_file)
+from .storage import Storage
+from .values import decode, parse_dtype
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A committed checkpoint whose manifest and index files were read and verified."""
+
+    dirname: str
+    manifest: Manifest
+    indexes: tuple[RankIndex, ...]
+
+
+def open_checkpoint(storage: Storage, dirname: str) -> Opened:
+    """Read and check the manifest and every index file of ``dirname`` (small reads only).
+
+    Checks index files against the manifest's checksums and data files against their recorded
+    sizes, so that nothing is allocated for bytes that are not there.
+    """
+    manifest = Manifest.from_json(storage.read_bytes(f"{dirname}/{MANIFEST_NAME}"),
+                                  storage.describe(f"{dirname}/{MANIFEST_NAME}"))
+    indexes = []
+    for rec in manifest.ranks:
+        where = storage.describe(f"{dirname}/{index_file(rec.rank)}")
+        try:
+            raw = storage.read_bytes(f"{dirname}/{index_file(rec.rank)}")
+        except StorageError as e:
+            raise CorruptionError(f"{where}: index file unreadable or missing ({e})") from e
+        if len(raw) != rec.index_bytes or xxhash.xxh3_64_hexdigest(raw) != rec.index_xxh3:
+            raise CorruptionError(f"{where}: checksum mismatch (the index file was modified or replaced)")
+        idx = RankIndex.from_json(raw, where)
+        if idx.rank != rec.rank or idx.step != manifest.step or idx.data_bytes != rec.data_bytes:
+            raise FormatError(f"{where}: does not belong to step {manifest.step} rank {rec.rank}")
+        size = storage.size(f"{dirname}/{data_file(rec.rank)}")
+        if size != rec.data_bytes:
+            raise CorruptionError(f"{storage.describe(f'{dirname}/{data_file(rec.rank)}')}: "
+                                  f"{'missing' if size is None else f'{size} bytes'}, "
+                                  f"{rec.data_bytes} expected (truncated or replaced)")
+        indexes.append(idx)
+    check_coverage(manifest, indexes, lambda r: storage.describe(f"{dirname}/{index_file(r)}"))
+    return Opened(dirname, manifest, tuple(indexes))
+
+
+def tensor_name(t: TensorEntry, i: int) -> str:
+    """How errors name table entry ``i``."""
+    return f"'{t.name}'" if t.name else f"#{i}"
+
+
+def read_state(storage: Storage, ck: Opened, threads: int = 4) -> object:
+    """The full replicated state of ``ck`` as CPU tensors and plain values."""
+    tensors = [_empty(t) for t in ck.manifest.tensors]
+    jobs = [(idx.rank, e) for idx in ck.indexes for e in idx.entries if not e.local]
+    names = [tensor_name(t, i) for i, t in enumerate(ck.manifest.tensors)]
+    _read_entries(storage, ck.dirname, jobs, tensors, names, threads)
+    return decode(ck.manifest.state, tensors.__getitem__)
+
+
+def read_local(storage: Storage, ck: Opened, rank: int) -> object:
+    """What writer ``rank`` saved as its ``local`` state."""
+    idx = ck.indexes[rank]
+    metas = idx.local_tensors
+    tensors = [_empty(t) for t in metas]
+    jobs = [(rank, e) for e in idx.entries if e.local]
+    covered = [0] * len(metas)
+    for _, e in jobs:
+        if e.tensor >= len(metas) or (e.start, e.stop) != (0, _numel(metas[e.tensor])) or covered[e.tensor]:
+            raise FormatError(f"{storage.describe(f'{ck.dirname}/{index_file(rank)}')}: bad local entry {e}")
+        covered[e.tensor] = 1
+    if sum(covered) != len(metas):
+        raise FormatError(f"{storage.describe(f'{ck.dirname}/{index_file(rank)}')}: local tensors missing")
+    names = [f"local {tensor_name(t, i)}" for i, t in enumerate(metas)]
+    _read_entries(storage, ck.dirname, jobs, tensors, names, threads=2)
+    return decode(idx.local, tensors.__getitem__)
+
+
+def verify(storage: Storage, ck: Opened, threads: int = 4) -> None:
+    """Read every byte of ``ck`` (state and every rank's local) and check every checksum."""
+    read_state(storage, ck, threads)
+    for rank in range(ck.manifest.world_size):
+        read_local(storage, ck, rank)
+
+
+def _numel(t: TensorEntry) -> int:
+    n = 1
+    for s in t.shape:
+        n *= s
+    return n
+
+
+def _empty(t: TensorEntry) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=parse_dtype(t.dtype))
+
+
+def _read_entries(storage: Storage, dirname: str, jobs: Sequence[tuple[int, IndexEntry]],
+                  tensors: Sequence[torch.Tensor], names: Sequence[str], threads: int) -> None:
+    by_rank: dict[int, list[IndexEntry]] = {}
+    for rank, e in jobs:
+        by_rank.setdefault(rank, []).append(e)
+
+    def read_file(rank: int) -> None:
+        rel = f"{dirname}/{data_file(rank)}"
+        for e in sorted(by_rank[rank], key=lambda e: e.offset):
+            t = tensors[e.tensor]
+            item = t.element_size()
+            dest = memoryview(t.reshape(-1).view(torch.uint8).numpy())[e.start * item:e.stop * item]
+            storage.read_into(rel, e.offset, dest)
+            if xxhash.xxh3_64_hexdigest(dest) != e.xxh3:
+                raise CorruptionError(f"{storage.describe(rel)}: checksum mismatch in tensor {names[e.tensor]} "
+                                      f"(elements {e.start}:{e.stop} at byte {e.offset})")
+
+    workers = max(1, min(threads, len(by_rank), os.cpu_count() or 1))
+    if workers == 1:
+        for rank in by_rank:
+            read_file(rank)
+        return
+    with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-read") as pool:
+        for f in [pool.submit(read_file, rank) for rank in by_rank]:
+            f.result()

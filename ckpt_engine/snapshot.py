@@ -1,0 +1,168 @@
+"""Snapshot (phase 1): copy this rank's slices into a reused host buffer.
+
+This is the only part training waits for, so it does as little as possible: one ``memmove`` per
+slice on CPU (single-threaded and outside the GIL: ranks sharing a machine's cores do not fight
+over torch's intra-op thread pool, and the library never touches ``torch.set_num_threads``), or
+an asynchronous copy into pinned memory on a side CUDA stream that the training stream then
+waits for. The buffer's layout is the rank's data file layout, so persist writes it unchanged.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .plan import Slice
+
+ALIGN = 64
+"""Byte alignment of every piece in the buffer/file (any dtype can be viewed at such an offset)."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Where one slice lives in the rank's buffer and data file."""
+
+    local: bool
+    tensor: int
+    start: int
+    stop: int
+    offset: int
+    nbytes: int
+
+
+def layout(state_slices: Sequence[Slice], state_itemsize: Sequence[int],
+           local_tensors: Sequence[torch.Tensor]) -> tuple[tuple[Piece, ...], int]:
+    """Place the rank's state slices, then its local tensors whole, at aligned offsets.
+
+    Pure: returns the pieces and the buffer size they need.
+    """
+    pieces: list[Piece] = []
+    offset = 0
+    for s in state_slices:
+        nbytes = (s.stop - s.start) * state_itemsize[s.tensor]
+        pieces.append(Piece(False, s.tensor, s.start, s.stop, offset, nbytes))
+        offset += _align(nbytes)
+    for i, t in enumerate(local_tensors):
+        pieces.append(Piece(True, i, 0, t.numel(), offset, t.numel() * t.element_size()))
+        offset += _align(t.numel() * t.element_size())
+    return tuple(pieces), offset
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class HostBuffer:
+    """A reusable host byte buffer (pinned when the state lives on a GPU)."""
+
+    def __init__(self, nbytes: int, pinned: bool) -> None:
+        self.tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
+        self.pinned = pinned
+        self.address = self.tensor.data_ptr()
+        self.event: "torch.cuda.Event | None" = None
+
+    @property
+    def capacity(self) -> int:
+        return self.tensor.numel()
+
+    def view(self, nbytes: int) -> memoryview:
+        """The first ``nbytes`` as a memoryview (what persist writes and hashes)."""
+        return memoryview(self.tensor.numpy()[:nbytes])
+
+
+class BufferPool:
+    """At most ``max_inflight`` buffers; a snapshot takes one, persist gives it back.
+
+    Buffers are allocated on first use and reused while they are large enough, so steady-state
+    checkpointing allocates nothing. ``allocations`` counts the allocations made.
+    """
+
+    def __init__(self, max_inflight: int) -> None:
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        self.max_inflight = max_inflight
+        self._free: list[HostBuffer] = []
+        self._count = 0
+        self._cond = threading.Condition()
+        self.allocations = 0
+
+    def acquire(self, nbytes: int, pinned: bool, block: bool) -> HostBuffer | None:
+        """A buffer of at least ``nbytes``; waits for one (``block``) or returns ``None``."""
+        with self._cond:
+            while not self._free and self._count >= self.max_inflight:
+                if not block:
+                    return None
+                self._cond.wait()
+            if self._free:
+                fits = [b for b in self._free if b.capacity >= nbytes and b.pinned == pinned]
+                buf = fits[0] if fits else self._free[0]
+                self._free.remove(buf)
+                if fits:
+                    return buf
+                self._count -= 1  # too small: dropped, replaced below
+            self._count += 1
+        self.allocations += 1
+        return HostBuffer(nbytes, pinned)
+
+    def release(self, buf: HostBuffer) -> None:
+        """Give ``buf`` back for reuse."""
+        with self._cond:
+            self._free.append(buf)
+            self._cond.notify()
+
+    def idle(self) -> bool:
+        """Whether no buffer is taken (nothing in flight)."""
+        with self._cond:
+            return len(self._free) == self._count
+
+
+def copy_into(buf: HostBuffer, pieces: Sequence[Piece], state: Sequence[torch.Tensor],
+              local: Sequence[torch.Tensor]) -> None:
+    """Copy every piece of ``state``/``local`` into ``buf``.
+
+    On return the CPU pieces are in the buffer; CUDA pieces are queued on a side stream and
+    ``buf.event`` marks their completion (persist waits on it; the current stream waits on it too,
+    so a later in-place update of the weights cannot overtake the copy).
+    """
+    cuda_pieces = []
+    for p in pieces:
+        src = (local if p.local else state)[p.tensor]
+        if src.is_cuda:
+            cuda_pieces.append((p, src))
+            continue
+        flat = _flat(src)
+        ctypes.memmove(buf.address + p.offset, flat.data_ptr() + p.start * flat.element_size(), p.nbytes)
+    buf.event = _copy_cuda(buf, cuda_pieces) if cuda_pieces else None
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return (t if t.is_contiguous() else t.contiguous()).reshape(-1)
+
+
+def _copy_cuda(buf: HostBuffer, pieces: list[tuple[Piece, torch.Tensor]]) -> "torch.cuda.Event":
+    current = torch.cuda.current_stream()
+    side = _side_stream(current.device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        for p, src in pieces:
+            flat = _flat(src)
+            dst = buf.tensor[p.offset:p.offset + p.nbytes].view(flat.dtype)
+            dst.copy_(flat[p.start:p.stop], non_blocking=True)
+            src.record_stream(side)
+        event = torch.cuda.Event()
+        event.record(side)
+    current.wait_event(event)
+    return event
+
+
+_SIDE_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[device]

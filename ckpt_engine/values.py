@@ -1,0 +1,218 @@
+"""Encode a nested training state as typed JSON plus a list of tensors, and back.
+
+Why typed JSON and not pickle: loading must never run code from a checkpoint, and a reader in
+another language must be able to parse the non-tensor values. Every node is plain JSON or a
+one-key object whose key starts with ``$`` (see ``docs/FORMAT.md``):
+
+=====================  ==============================================
+Python value           JSON
+=====================  ==============================================
+``None``/bool/int/str  itself
+float                  ``{"$f": 1.5}`` (``"nan"``, ``"inf"``, ``"-inf"`` as strings)
+list                   array
+tuple                  ``{"$tuple": [...]}``
+dict                   ``{"$dict": [[key, value], ...]}`` (keys typed, order kept)
+bytes                  ``{"$bytes": base64}``
+torch.Tensor           ``{"$tensor": index}`` into the tensor table
+numpy array            ``{"$tensor": index, "as": "numpy"}`` or ``{"$ndarray": {...}}`` inline
+numpy scalar           ``{"$np": [dtype, value]}``
+torch.dtype/Size/device ``{"$dtype": "float32"}`` / ``{"$size": [...]}`` / ``{"$device": "cpu"}``
+=====================  ==============================================
+
+Tensors that are the same view of the same memory (tied weights) get one table entry, so they
+are stored once and come back as one tensor object.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from .errors import FormatError, UnsupportedValueError
+
+JSON = Any
+
+#: dtypes a checkpoint may name; a manifest naming anything else is rejected (no getattr on torch).
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float64", "float32", "float16", "bfloat16", "complex64", "complex128",
+        "int64", "int32", "int16", "int8", "uint8", "bool",
+        "float8_e4m3fn", "float8_e5m2",
+    )
+    if hasattr(torch, name)
+}
+#: numpy dtypes that travel as tensors (torch shares their memory layout).
+_NUMPY_AS_TENSOR = {"bool", "uint8", "int8", "int16", "int32", "int64",
+                    "float16", "float32", "float64", "complex64", "complex128"}
+_NUMPY_INLINE = _NUMPY_AS_TENSOR | {"uint16", "uint32", "uint64"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` → ``"float32"``; raises for dtypes a checkpoint cannot name."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in TORCH_DTYPES:
+        raise UnsupportedValueError(f"tensor dtype {dtype} is not supported by ckpt_engine")
+    return name
+
+
+def parse_dtype(name: object) -> torch.dtype:
+    """The torch dtype a checkpoint names, from an allow-list (hostile names are rejected)."""
+    if not isinstance(name, str) or name not in TORCH_DTYPES:
+        raise FormatError(f"unknown tensor dtype {name!r} in checkpoint")
+    return TORCH_DTYPES[name]
+
+
+@dataclass
+class Encoded:
+    """A state split into a JSON tree and the tensors it references by index."""
+
+    tree: JSON
+    tensors: list[torch.Tensor]
+    names: list[str]
+
+
+def encode(state: object, root: str = "state") -> Encoded:
+    """Split ``state`` into typed JSON and a tensor table.
+
+    Raises :class:`UnsupportedValueError` naming the key path of the first value that cannot be
+    stored without pickle (a lambda, a custom class, a sparse tensor, ...).
+    """
+    tensors: list[torch.Tensor] = []
+    names: list[str] = []
+    seen: dict[tuple, int] = {}
+
+    def add_tensor(t: torch.Tensor, path: str) -> int:
+        if t.layout != torch.strided or t.is_quantized or t.is_nested:
+            raise UnsupportedValueError(f"{path}: only dense tensors can be stored, got layout {t.layout}")
+        dtype_name(t.dtype)
+        t = t.detach()
+        if t.numel() > 0:
+            alias = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+            if alias in seen:
+                return seen[alias]
+            seen[alias] = len(tensors)
+        tensors.append(t)
+        names.append(path)
+        return len(tensors) - 1
+
+    def enc(v: object, path: str) -> JSON:
+        if v is None or isinstance(v, (bool, str)):
+            return v
+        if isinstance(v, int) and type(v) is int:
+            return v
+        if isinstance(v, float) and type(v) is float:
+            return {"$f": v if math.isfinite(v) else repr(v)}
+        if isinstance(v, torch.Tensor):
+            return {"$tensor": add_tensor(v, path)}
+        if isinstance(v, list):
+            return [enc(x, f"{path}[{i}]") for i, x in enumerate(v)]
+        if isinstance(v, tuple) and type(v) is tuple:
+            return {"$tuple": [enc(x, f"{path}[{i}]") for i, x in enumerate(v)]}
+        if isinstance(v, dict):
+            return {"$dict": [[enc_key(k, path), enc(x, f"{path}[{k!r}]")] for k, x in v.items()]}
+        if isinstance(v, (bytes, bytearray)):
+            return {"$bytes": base64.b64encode(bytes(v)).decode("ascii")}
+        if isinstance(v, np.ndarray):
+            return enc_ndarray(v, path)
+        if isinstance(v, np.generic) and v.dtype.name in _NUMPY_INLINE:
+            return {"$np": [v.dtype.name, enc(v.item(), path)]}
+        if isinstance(v, torch.dtype):
+            return {"$dtype": dtype_name(v)}
+        if isinstance(v, torch.Size):
+            return {"$size": list(v)}
+        if isinstance(v, torch.device):
+            return {"$device": str(v)}
+        raise UnsupportedValueError(
+            f"{path}: cannot store a value of type {type(v).__module__}.{type(v).__qualname__} "
+            "without pickle; convert it to tensors, numbers, strings, lists or dicts first"
+        )
+
+    def enc_key(k: object, path: str) -> JSON:
+        if isinstance(k, (torch.Tensor, np.ndarray, list, dict)):
+            raise UnsupportedValueError(f"{path}: dict key {k!r} is not a plain hashable value")
+        return enc(k, f"{path}.<key>")
+
+    def enc_ndarray(a: np.ndarray, path: str) -> JSON:
+        if a.dtype.name in _NUMPY_AS_TENSOR:
+            return {"$tensor": add_tensor(torch.from_numpy(np.ascontiguousarray(a)), path), "as": "numpy"}
+        if a.dtype.name in _NUMPY_INLINE:
+            data = base64.b64encode(np.ascontiguousarray(a).tobytes()).decode("ascii")
+            return {"$ndarray": {"dtype": a.dtype.name, "shape": list(a.shape), "data": data}}
+        raise UnsupportedValueError(f"{path}: numpy dtype {a.dtype} cannot be stored without pickle")
+
+    return Encoded(enc(state, root), tensors, names)
+
+
+def decode(tree: JSON, tensor: Callable[[int], torch.Tensor]) -> object:
+    """Rebuild the value that :func:`encode` produced; ``tensor(i)`` returns table entry ``i``.
+
+    Raises :class:`FormatError` for any node that is not part of the format.
+    """
+
+    def dec(v: JSON) -> object:
+        if v is None or isinstance(v, (bool, str, int)):
+            return v
+        if isinstance(v, list):
+            return [dec(x) for x in v]
+        if not isinstance(v, dict) or len(v) not in (1, 2):
+            raise FormatError(f"malformed value node {str(v)[:80]!r}")
+        tag = next(iter(v))
+        body = v[tag]
+        if tag == "$f":
+            return float(body) if isinstance(body, (int, float)) or body in ("nan", "inf", "-inf") else _bad(v)
+        if tag == "$tensor":
+            if not isinstance(body, int) or isinstance(body, bool):
+                _bad(v)
+            t = tensor(body)
+            return t.numpy() if v.get("as") == "numpy" else t
+        if len(v) != 1:
+            _bad(v)
+        if tag == "$tuple" and isinstance(body, list):
+            return tuple(dec(x) for x in body)
+        if tag == "$dict" and isinstance(body, list):
+            if not all(isinstance(p, list) and len(p) == 2 for p in body):
+                _bad(v)
+            return {dec(k): dec(x) for k, x in body}
+        if tag == "$bytes" and isinstance(body, str):
+            return _b64(body)
+        if tag == "$ndarray" and isinstance(body, dict):
+            return _dec_ndarray(body)
+        if tag == "$np" and isinstance(body, list) and len(body) == 2 and body[0] in _NUMPY_INLINE:
+            return np.dtype(body[0]).type(dec(body[1]))
+        if tag == "$dtype":
+            return parse_dtype(body)
+        if tag == "$size" and isinstance(body, list) and all(type(x) is int for x in body):
+            return torch.Size(body)
+        if tag == "$device" and isinstance(body, str):
+            return torch.device(body)
+        return _bad(v)
+
+    return dec(tree)
+
+
+def _dec_ndarray(body: dict) -> np.ndarray:
+    dtype, shape, data = body.get("dtype"), body.get("shape"), body.get("data")
+    if dtype not in _NUMPY_INLINE or not isinstance(shape, list) or not isinstance(data, str):
+        raise FormatError(f"malformed $ndarray node (dtype {dtype!r})")
+    raw = _b64(data)
+    count = math.prod(shape) if all(type(s) is int and s >= 0 for s in shape) else -1
+    if count * np.dtype(dtype).itemsize != len(raw):
+        raise FormatError(f"$ndarray of shape {shape} and dtype {dtype} does not match its {len(raw)} bytes")
+    return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
+
+
+def _b64(data: str) -> bytes:
+    try:
+        return base64.b64decode(data, validate=True)
+    except ValueError as e:  # binascii.Error
+        raise FormatError(f"malformed base64 payload ({e})") from None
+
+
+def _bad(v: JSON) -> Any:
+    raise FormatError(f"malformed value node {str(v)[:80]!r}")

@@ -1,0 +1,4 @@
+"""Horovod front end for ckpt-suite.
+
+Placeholder: the Horovod front end arrives in a later release.
+"""

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Run the end-to-end demo in the project venv; arguments pass to examples/demo.py.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+bash scripts/setup_env.sh
+exec .venv/bin/python examples/demo.py "$@"

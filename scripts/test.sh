@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Run the test suite (testpaths come from pyproject.toml) in the project venv.
+# Arguments pass straight through to pytest, e.g. scripts/test.sh -m "not slow".
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+bash scripts/setup_env.sh
+
+# OMP_NUM_THREADS is deliberately not set here: the tests manage it themselves.
+# no:cacheprovider keeps .pytest_cache out of the tree.
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+set +e
+.venv/bin/python -m pytest -q -p no:cacheprovider "$@" 2>&1 | tee "$log"
+rc=${PIPESTATUS[0]}
+set -e
+
+echo "test.sh: pytest summary: $(grep -v '^\s*$' "$log" | tail -n 1)"
+if [[ $rc -eq 5 ]]; then
+    # pytest's "no tests collected" would otherwise let an empty run pass.
+    echo "test.sh: no tests were collected; treating that as a failure" >&2
+    exit 1
+fi
+exit "$rc"

@@ -1,0 +1,98 @@
+"""One rank of a real multi-process job (torch.distributed, gloo, CPU), driven by the tests.
+
+Usage: ``python dist_worker.py MODE ROOT OUT [ARGS]`` with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT
+in the environment. Modes:
+
+* ``save ROOT OUT STEPS``: save ``make_state(s)`` for s in 1..STEPS, then wait and close;
+* ``load ROOT OUT``: load the newest checkpoint, write digests of what came back to OUT;
+* ``loop ROOT OUT``: save every step forever (the test SIGKILLs it), printing committed steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import xxhash
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from ckpt_engine import Checkpointer, TorchDistComm  # noqa: E402
+
+
+def make_state(step: int) -> dict:
+    """The replicated state at ``step``: identical on every rank, different for every step."""
+    g = torch.Generator().manual_seed(1000 + step)
+    emb = torch.randn(300, 64, generator=g)
+    return {
+        "model": {"emb.weight": emb, "head.weight": emb,  # tied
+                  "big": torch.randn(512, 1024, generator=g), "mid": torch.randn(40, 33, generator=g),
+                  "bias": torch.randn(33, generator=g), "bf16": torch.randn(1000, generator=g).bfloat16(),
+                  "mask": torch.rand(77, generator=g) > 0.5, "count": torch.tensor(step, dtype=torch.int64)},
+        "optimizer": {"state": {0: {"step": torch.tensor(float(step)), "exp_avg": torch.randn(4096, generator=g)}},
+                      "param_groups": [{"lr": 0.001 * step, "betas": (0.9, 0.999), "params": [0]}]},
+        "step": step,
+    }
+
+
+def make_local(step: int, rank: int) -> dict:
+    """Per-rank state: differs across ranks (as BatchNorm statistics and RNG streams do)."""
+    g = torch.Generator().manual_seed(step * 100 + rank)
+    return {"rank": rank, "bn.running_mean": torch.randn(64, generator=g), "rng": g.get_state(), "pos": step * 10 + rank}
+
+
+def digest(value, path: str = "") -> dict:
+    """Flat {key path: xxh3 of tensor bytes / repr of value}, with tensor object identities."""
+    out = {}
+    if isinstance(value, torch.Tensor):
+        raw = value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        out[path] = f"{value.dtype}{list(value.shape)}:{xxhash.xxh3_64_hexdigest(raw)}"
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            out.update(digest(v, f"{path}[{k!r}]"))
+    elif isinstance(value, (list, tuple)):
+        out[path] = type(value).__name__
+        for i, v in enumerate(value):
+            out.update(digest(v, f"{path}[{i}]"))
+    else:
+        out[path] = repr(value)
+    return out
+
+
+def main() -> None:
+    mode, root, out = sys.argv[1:4]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.set_num_threads(1)  # several ranks share 2 cores in tests
+    ck = Checkpointer(root, comm=TorchDistComm(), keep_last=int(os.environ.get("KEEP_LAST", "3")))
+    result: dict = {"rank": rank}
+    if mode == "save":
+        for step in range(1, int(sys.argv[4]) + 1):
+            ck.save(make_state(step), step, make_local(step, rank))
+        ck.wait()
+        result["records"] = [r.__dict__ for r in ck.records]
+    elif mode == "load":
+        state = ck.load()
+        result["state"] = digest(state)
+        result["tied"] = state["model"]["emb.weight"] is state["model"]["head.weight"]
+        result["step"] = ck.loaded_manifest.step
+        result["local"] = digest(ck.load_local())
+        result["writers"] = ck.loaded_manifest.world_size
+    elif mode == "loop":
+        step = int(os.environ.get("START_STEP", "1"))
+        while True:
+            ck.save(make_state(step), step, make_local(step, rank))
+            ck.wait()
+            print(f"committed {step}", flush=True)
+            step += 1
+    ck.close()
+    with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

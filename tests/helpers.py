@@ -1,0 +1,31 @@
+"""Test helpers shared by unit and integration tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a tensor (so NaNs and -0.0 compare bit for bit)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_same(a, b, path: str = "state") -> None:
+    """``a`` and ``b`` are the same nested value, tensors bit for bit, container types included."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), path
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), path
+        assert torch.equal(bits(a), bits(b)), path
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert type(a) is type(b) and (a == b or (a != a and b != b)), path

@@ -1,0 +1,214 @@
+"""Checkpointer in one process: two-phase semantics, buffers, back-pressure, retention, replace."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from ckpt_engine import Checkpointer, CheckpointError, LocalComm, NoCheckpointError
+from ckpt_engine.catalog import attempt_dirs
+from ckpt_engine.storage import Storage
+from conftest import SlowStorage
+from helpers import assert_same
+
+
+def model_state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    lin = torch.nn.Linear(64, 32)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(32, 64, generator=g))
+    opt = torch.optim.Adam(lin.parameters())
+    lin(torch.randn(3, 64)).sum().backward()
+    opt.step()
+    return {"model": lin.state_dict(), "optimizer": opt.state_dict(), "step": 1,
+            "big": torch.randn(256, 1024, generator=g), "half": torch.randn(7, generator=g).bfloat16()}
+
+
+@pytest.mark.parametrize("where", ["memory", "local"])
+def test_roundtrip_state_and_local(where, memory_url, tmp_path):
+    url = memory_url if where == "memory" else str(tmp_path)
+    state = model_state()
+    local = {"rng": torch.get_rng_state(), "np": np.random.get_state(), "pos": 5}
+    with Checkpointer(url) as ck:
+        ck.save(state, 10, local)
+        ck.wait()
+        assert ck.steps() == [10]
+        assert_same(ck.load(), state)
+        out = ck.load_local()
+        assert torch.equal(out["rng"], local["rng"]) and out["pos"] == 5
+        assert np.array_equal(out["np"][1], local["np"][1])
+
+
+def test_file_url_and_plain_path_are_the_same_root(tmp_path):
+    with Checkpointer(f"file://{tmp_path}") as ck:
+        ck.save({"x": torch.arange(5)}, 1)
+    with Checkpointer(str(tmp_path)) as ck:
+        assert torch.equal(ck.load()["x"], torch.arange(5))
+
+
+def test_mutating_right_after_save_keeps_saved_values(memory_url):
+    w = torch.zeros(1000, 100)
+    with Checkpointer(memory_url, max_inflight=2) as ck:
+        for step in range(3):
+            ck.save({"w": w}, step)
+            w.add_(1)  # the optimizer step right after save()
+        ck.wait()
+        for step in range(3):
+            assert torch.equal(ck.load(step=step)["w"], torch.full((1000, 100), float(step)))
+
+
+def test_deferred_snapshot_keeps_values_after_wait_snapshot(memory_url):
+    w = torch.zeros(2000, 500)
+    with Checkpointer(memory_url) as ck:
+        h = ck.save({"w": w}, 1, defer=True)
+        h.wait_snapshot()
+        assert h.snapshot_done()
+        w.add_(1)
+        ck.wait()
+        assert torch.equal(ck.load()["w"], torch.zeros(2000, 500))
+
+
+def test_buffers_are_reused_after_the_first_save(memory_url):
+    state = model_state()
+    with Checkpointer(memory_url, max_inflight=2) as ck:
+        for step in range(6):
+            ck.save(state, step)
+        ck.wait()
+        assert ck._pool.allocations <= 2
+        ck.save({"other": torch.zeros(10**6)}, 7)  # a larger state: each slot grows once
+        ck.save({"other": torch.zeros(10**6)}, 8)
+        ck.wait()
+        for step in range(9, 20):
+            ck.save({"other": torch.zeros(10**6)}, step)
+        ck.wait()
+        assert ck._pool.allocations <= 4  # two slots, each allocated at most once per size
+
+
+def test_back_pressure_waits_and_never_exceeds_max_inflight(tmp_path):
+    storage = SlowStorage(str(tmp_path))
+    with Checkpointer(storage, max_inflight=2) as ck:
+        for step in range(6):
+            ck.save({"w": torch.randn(1000)}, step)
+        ck.wait()
+        assert ck.counters["skipped"] == 0 and ck.counters["waited_s"] > 0
+        assert ck._pool.allocations == 2
+        assert ck.steps() == list(range(6))
+
+
+def test_back_pressure_skip_is_counted_and_the_rest_commit(tmp_path):
+    storage = SlowStorage(str(tmp_path))
+    storage.delay = 0.2
+    with Checkpointer(storage, max_inflight=1, on_busy="skip") as ck:
+        handles = [ck.save({"w": torch.randn(1000)}, step) for step in range(4)]
+        ck.wait()
+        assert handles[0] is not None and handles[1] is None
+        assert ck.counters["skipped"] >= 2
+        assert 0 in ck.steps() and len(ck.steps()) == 4 - ck.counters["skipped"]
+
+
+def test_keep_last_deletes_older_only_after_a_newer_commit(tmp_path):
+    with Checkpointer(str(tmp_path), keep_last=2) as ck:
+        for step in (1, 2, 3, 4):
+            ck.save({"s": torch.tensor(step)}, step)
+            ck.wait()
+            assert ck.steps() == [max(1, step - 1), step][-min(step, 2):]
+        assert len(attempt_dirs(ck.storage)) == 2
+
+
+def test_saving_an_existing_step_replaces_it(tmp_path):
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.save({"v": torch.tensor(1)}, 5)
+    with Checkpointer(str(tmp_path)) as ck:  # a resumed job reaches step 5 again
+        ck.save({"v": torch.tensor(2)}, 5)
+        ck.wait()
+        assert ck.steps() == [5] and ck.load()["v"].item() == 2
+        assert len(attempt_dirs(ck.storage)) == 1
+
+
+def test_load_step_and_missing_checkpoints(memory_url):
+    with Checkpointer(memory_url) as ck:
+        with pytest.raises(NoCheckpointError, match="no committed checkpoint"):
+            ck.load()
+        assert ck.latest_step() is None
+        ck.save({"v": 1}, 3)
+        ck.save({"v": 2}, 4)
+        ck.wait()
+        assert ck.load(step=3) == {"v": 1} and ck.load() == {"v": 2} and ck.latest_step() == 4
+        with pytest.raises(NoCheckpointError, match=r"step 9 .*committed steps: \[3, 4\]"):
+            ck.load(step=9)
+
+
+def test_memory_is_refused_for_multi_rank_jobs(memory_url):
+    class TwoRanks(LocalComm):
+        world_size = 2
+
+    with pytest.raises(CheckpointError, match="memory:// lives in one process"):
+        Checkpointer(memory_url, comm=TwoRanks())
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"keep_last": 0}, "keep_last"), ({"on_busy": "drop"}, "on_busy"), ({"max_inflight": 0}, "max_inflight"),
+    ({"commit_timeout": 0}, "commit_timeout"),
+])
+def test_bad_configuration_names_the_value(kwargs, message, memory_url):
+    with pytest.raises(ValueError, match=message):
+        Checkpointer(memory_url, **kwargs)
+
+
+def test_closed_checkpointer_refuses_work(memory_url):
+    ck = Checkpointer(memory_url)
+    ck.close()
+    ck.close()
+    with pytest.raises(CheckpointError, match="closed"):
+        ck.save({}, 1)
+
+
+def test_library_leaves_global_state_alone(memory_url):
+    state = model_state()  # builds a model, which draws from the RNG: before the snapshot of it
+    threads = torch.get_num_threads()
+    rng = torch.get_rng_state()
+    np_rng = np.random.get_state()
+    with Checkpointer(memory_url) as ck:
+        ck.save(state, 1)
+        ck.wait()
+        ck.load()
+    assert torch.get_num_threads() == threads and torch.equal(torch.get_rng_state(), rng)
+    assert np.array_equal(np.random.get_state()[1], np_rng[1])
+
+
+def test_leftovers_of_a_crashed_run_are_swept_at_start(tmp_path):
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.save({"v": torch.tensor(1)}, 1)
+    os.makedirs(tmp_path / "step-000000000002-deadbeef000100000001")
+    (tmp_path / "step-000000000002-deadbeef000100000001" / "rank-00000.bin").write_bytes(b"partial")
+    (tmp_path / ".tmp-123-latest").write_bytes(b"x")
+    with Checkpointer(str(tmp_path)) as ck:
+        assert sorted(os.listdir(tmp_path)) == ["latest", [d for d in os.listdir(tmp_path) if d.startswith("step-")][0]]
+        assert ck.steps() == [1]
+
+
+def test_figures_are_recorded(memory_url):
+    with Checkpointer(memory_url) as ck:
+        ck.save(model_state(), 1)
+        ck.wait()
+        rec = ck.records[-1]
+        assert rec.committed and rec.bytes > 0 and rec.stall_s > 0 and rec.persist_s > 0 and rec.snapshot_s > 0
+
+
+def test_unsupported_state_fails_on_the_training_side_naming_the_key(memory_url):
+    with Checkpointer(memory_url) as ck:
+        with pytest.raises(CheckpointError, match=r"state\['opt'\]\['hook'\]"):
+            ck.save({"opt": {"hook": print}}, 1)
+        ck.save({"ok": 1}, 2)
+        ck.wait()
+        assert ck.steps() == [2]
+
+
+def test_storage_instance_can_be_passed(memory_url):
+    with Checkpointer(Storage(memory_url)) as ck:
+        ck.save({"a": torch.ones(2)}, 1)
+        ck.wait()
+        assert ck.steps() == [1]

@@ -1,0 +1,137 @@
+"""Fault injection: failing storage, flipped/truncated/missing/swapped bytes, damaged manifests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ckpt_engine import Checkpointer, CheckpointError, CorruptionError
+from ckpt_engine.catalog import manifest_dirs
+from ckpt_engine.errors import FormatError
+from ckpt_engine.storage import Storage
+from conftest import FailingStorage
+
+
+def state(v: float) -> dict:
+    return {"model": {"w": torch.full((300, 200), v), "b": torch.full((7,), v)}, "step": int(v)}
+
+
+def saved(tmp_path, steps=(1, 2)) -> str:
+    with Checkpointer(str(tmp_path)) as ck:
+        for s in steps:
+            ck.save(state(float(s)), s)
+    return str(tmp_path)
+
+
+def _storage(root) -> Storage:
+    return Storage(root)
+
+
+def newest_dir(root) -> str:
+    return os.path.join(root, manifest_dirs(_storage(root))[-1][1])
+
+
+def cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ckpt_engine", *args], capture_output=True, text=True)
+
+
+def test_storage_failing_mid_write_commits_nothing_and_keeps_the_previous(tmp_path):
+    storage = FailingStorage(str(tmp_path))
+    ck = Checkpointer(storage)
+    ck.save(state(1.0), 1)
+    ck.wait()
+    storage.fail_on = "step-000000000002"
+    ck.save(state(2.0), 2)
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        ck.wait()
+    assert ck.steps() == [1]
+    assert ck.load()["step"] == 1
+    storage.fail_on = None
+    ck.save(state(3.0), 3)  # training goes on; the error was raised once
+    ck.close()
+    assert ck.steps() == [1, 3]
+
+
+def test_background_error_surfaces_on_the_next_save(tmp_path):
+    storage = FailingStorage(str(tmp_path))
+    storage.fail_on = "rank-00000.bin"
+    ck = Checkpointer(storage)
+    ck.save(state(1.0), 1)
+    ck._worker.drain()
+    with pytest.raises(CheckpointError, match="could not write .*rank-00000.bin"):
+        ck.save(state(2.0), 2)
+    storage.fail_on = None
+    ck.close()
+
+
+def test_flipped_byte_is_named_by_load_and_verify(tmp_path):
+    root = saved(tmp_path)
+    data = os.path.join(newest_dir(root), "rank-00000.bin")
+    with open(data, "r+b") as f:
+        f.seek(1000)
+        byte = f.read(1)
+        f.seek(1000)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(CorruptionError, match=r"rank-00000\.bin: checksum mismatch in tensor 'state\['model'\]\['w'\]'"):
+        Checkpointer(root).load()
+    out = cli("verify", root)
+    assert out.returncode == 1
+    assert "rank-00000.bin" in out.stderr and "state['model']['w']" in out.stderr
+    assert cli("verify", root, "--step", "1").returncode == 0
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete_data", "delete_index", "flip_index", "flip_manifest",
+                                    "truncate_manifest", "swap_data"])
+def test_damaged_checkpoints_are_detected(tmp_path, damage):
+    root = saved(tmp_path, steps=(1, 2))
+    d = newest_dir(root)
+    older = os.path.join(root, manifest_dirs(_storage(root))[0][1])
+    target = {"truncate": "rank-00000.bin", "delete_data": "rank-00000.bin", "delete_index": "rank-00000.index.json",
+              "flip_index": "rank-00000.index.json", "flip_manifest": "manifest.json",
+              "truncate_manifest": "manifest.json", "swap_data": "rank-00000.bin"}[damage]
+    path = os.path.join(d, target)
+    raw = open(path, "rb").read()
+    if damage.startswith("truncate"):
+        open(path, "wb").write(raw[: len(raw) // 2])
+    elif damage.startswith("delete"):
+        os.unlink(path)
+    elif damage.startswith("flip"):
+        pos = len(raw) // 2
+        open(path, "wb").write(raw[:pos] + bytes([raw[pos] ^ 1]) + raw[pos + 1:])
+    else:
+        open(path, "wb").write(open(os.path.join(older, target), "rb").read())
+    with pytest.raises(CheckpointError) as err:
+        Checkpointer(root).load()
+    assert os.path.basename(d) in str(err.value)
+    out = cli("verify", root)
+    assert out.returncode == 1 and os.path.basename(d) in out.stderr
+
+
+def test_manifest_pointing_outside_the_directory_is_rejected(tmp_path):
+    root = saved(tmp_path, steps=(1,))
+    path = os.path.join(newest_dir(root), "manifest.json")
+    from ckpt_engine.manifest import seal, unseal
+    body = json.loads(unseal(open(path, "rb").read(), path))
+    body["ranks"][0]["data_file"] = "../../../etc/passwd"
+    open(path, "wb").write(seal(json.dumps(body).encode()))
+    with pytest.raises(FormatError, match="names files"):
+        Checkpointer(root).load()
+
+
+def test_committer_fails_fast_when_a_rank_reports_failure(tmp_path):
+    """Rank 1 (simulated by its abort marker) failed: rank 0's commit raises at once, naming it."""
+    from ckpt_engine.commit import CommitInputs, commit, write_abort
+    from ckpt_engine.errors import CommitTimeoutError
+    storage = _storage(str(tmp_path))
+    write_abort(storage, "step-000000000001-a", 1, "failed", "disk full on node 7")
+    inputs = CommitInputs(1, 2, "a", lambda r, t: None)
+    with pytest.raises(CheckpointError, match="rank 1 failed.*disk full on node 7"):
+        commit(storage, "step-000000000001-a", inputs, timeout=30)
+    storage.makedirs("step-000000000002-a")
+    with pytest.raises(CommitTimeoutError, match=r"ranks \[0, 1\] did not report"):
+        commit(storage, "step-000000000002-a", CommitInputs(2, 2, "a", lambda r, t: None), timeout=0.2)
