@@ -15,6 +15,7 @@ rank stores its own whole.
 
 from __future__ import annotations
 
+import os
 import secrets
 import threading
 import time
@@ -86,12 +87,14 @@ class Checkpointer:
         on_busy: when every buffer is still being persisted: ``"wait"`` for one, or ``"skip"``
             this checkpoint (counted in ``counters["skipped"]``).
         commit_timeout: seconds rank 0 waits for every rank's files before failing the commit.
+        read_threads: parallel reads per rank in ``load()``; default: this machine's cores
+            divided among the ranks that share it (``LOCAL_WORLD_SIZE``, else the world size).
     """
 
     def __init__(self, path: "str | Storage", *, comm: Comm | None = None, keep_last: int | None = None,
                  storage_options: dict[str, Any] | None = None, max_inflight: int = 1,
                  on_busy: Literal["wait", "skip"] = "wait", commit_timeout: float = 600.0,
-                 read_threads: int = 4) -> None:
+                 read_threads: int | None = None) -> None:
         if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
             raise ValueError(f"keep_last must be a positive integer or None, got {keep_last!r}")
         if on_busy not in ("wait", "skip"):
@@ -105,7 +108,7 @@ class Checkpointer:
             raise CheckpointError(f"{path!r}: memory:// lives in one process and cannot hold a checkpoint of "
                                   f"{self.world_size} ranks; use a shared filesystem or object store")
         self.keep_last, self.on_busy, self.commit_timeout = keep_last, on_busy, commit_timeout
-        self.read_threads = read_threads
+        self.read_threads = read_threads or _default_read_threads(self.world_size)
         if self.rank == 0:
             self.storage.makedirs("")
             sweep(self.storage)
@@ -145,7 +148,7 @@ class Checkpointer:
         self._seq += 1
         attempt = f"{self._generation}{self._seq:08d}"
         dirname = dir_name(step, attempt)
-        record = SaveRecord(step, dirname, lay.nbytes)
+        record = SaveRecord(step, dirname, lay.nbytes, started_at=start)
         self.counters["saves"] += 1
         self._last_dir = dirname
         cuda = any(t.is_cuda for t in enc.tensors + lenc.tensors)
@@ -223,6 +226,10 @@ class Checkpointer:
         if rank >= opened.manifest.world_size:
             return None
         return read_local(self.storage, opened, rank)
+
+    def busy(self) -> bool:
+        """Whether a snapshot is still being persisted (policies count its contention)."""
+        return not self._pool.idle()
 
     @property
     def loaded_manifest(self) -> Manifest | None:
@@ -306,6 +313,12 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this Checkpointer is closed")
+
+
+def _default_read_threads(world_size: int) -> int:
+    """Cores per co-located rank, 1 to 4: more threads than cores only add contention."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return max(1, min(4, (os.cpu_count() or 1) // max(1, local)))
 
 
 def _new_generation() -> str:

@@ -38,6 +38,9 @@ class SaveRecord:
     commit_s: float = 0.0
     committed: bool = False
     skipped: bool = False
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    """``time.perf_counter()`` at ``save()`` and when this rank's job ended (after the commit on rank 0)."""
 
 
 @dataclass
@@ -127,6 +130,12 @@ class PersistWorker:
                 self._queue.task_done()
 
     def _process(self, job: PersistJob) -> None:
+        try:
+            self._persist_and_commit(job)
+        finally:
+            job.record.finished_at = time.perf_counter()
+
+    def _persist_and_commit(self, job: PersistJob) -> None:
         try:
             try:
                 write_rank(self._storage, job)

@@ -21,7 +21,7 @@ import xxhash
 from .errors import CorruptionError, FormatError, StorageError
 from .manifest import (MANIFEST_NAME, IndexEntry, Manifest, RankIndex, TensorEntry, check_coverage,
                        data_file, index_file)
-from .storage import Storage
+from .storage import Reader, Storage
 from .values import decode, parse_dtype
 
 
@@ -116,26 +116,39 @@ def _empty(t: TensorEntry) -> torch.Tensor:
 
 def _read_entries(storage: Storage, dirname: str, jobs: Sequence[tuple[int, IndexEntry]],
                   tensors: Sequence[torch.Tensor], names: Sequence[str], threads: int) -> None:
-    by_rank: dict[int, list[IndexEntry]] = {}
-    for rank, e in jobs:
-        by_rank.setdefault(rank, []).append(e)
+    """Read and verify every entry, in up to ``threads`` groups of about equal bytes."""
+    ordered = sorted(jobs, key=lambda j: (j[0], j[1].offset))
+    workers = max(1, min(threads, len(ordered), os.cpu_count() or 1))
+    total = sum(e.nbytes for _, e in ordered) or 1
+    groups: list[list[tuple[int, IndexEntry]]] = [[] for _ in range(workers)]
+    done = 0
+    for job in ordered:
+        groups[min(workers - 1, done * workers // total)].append(job)
+        done += job[1].nbytes
 
-    def read_file(rank: int) -> None:
-        rel = f"{dirname}/{data_file(rank)}"
-        for e in sorted(by_rank[rank], key=lambda e: e.offset):
-            t = tensors[e.tensor]
-            item = t.element_size()
-            dest = memoryview(t.reshape(-1).view(torch.uint8).numpy())[e.start * item:e.stop * item]
-            storage.read_into(rel, e.offset, dest)
-            if xxhash.xxh3_64_hexdigest(dest) != e.xxh3:
-                raise CorruptionError(f"{storage.describe(rel)}: checksum mismatch in tensor {names[e.tensor]} "
-                                      f"(elements {e.start}:{e.stop} at byte {e.offset})")
+    def read_group(group: list[tuple[int, IndexEntry]]) -> None:
+        readers: dict[int, Reader] = {}
+        try:
+            for rank, e in group:
+                if rank not in readers:
+                    readers[rank] = storage.reader(f"{dirname}/{data_file(rank)}")
+                t = tensors[e.tensor]
+                item = t.element_size()
+                dest = memoryview(t.reshape(-1).view(torch.uint8).numpy())[e.start * item:e.stop * item]
+                readers[rank].read_into(e.offset, dest)
+                if xxhash.xxh3_64_hexdigest(dest) != e.xxh3:
+                    raise CorruptionError(
+                        f"{storage.describe(f'{dirname}/{data_file(rank)}')}: checksum mismatch in tensor "
+                        f"{names[e.tensor]} (elements {e.start}:{e.stop} at byte {e.offset})")
+        finally:
+            for r in readers.values():
+                r.close()
 
-    workers = max(1, min(threads, len(by_rank), os.cpu_count() or 1))
-    if workers == 1:
-        for rank in by_rank:
-            read_file(rank)
+    groups = [g for g in groups if g]
+    if len(groups) <= 1:
+        for g in groups:
+            read_group(g)
         return
-    with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-read") as pool:
-        for f in [pool.submit(read_file, rank) for rank in by_rank]:
+    with ThreadPoolExecutor(len(groups), thread_name_prefix="ckpt-read") as pool:
+        for f in [pool.submit(read_group, g) for g in groups]:
             f.result()

@@ -5,7 +5,8 @@ in the environment. Modes:
 
 * ``save ROOT OUT STEPS``: save ``make_state(s)`` for s in 1..STEPS, then wait and close;
 * ``load ROOT OUT``: load the newest checkpoint, write digests of what came back to OUT;
-* ``loop ROOT OUT``: save every step forever (the test SIGKILLs it), printing committed steps.
+* ``loop ROOT OUT``: save every step forever (the test SIGKILLs it), printing committed steps;
+* ``schedule ROOT OUT``: an adaptive schedule with rank-dependent iteration times.
 """
 
 from __future__ import annotations
@@ -81,6 +82,23 @@ def main() -> None:
         result["step"] = ck.loaded_manifest.step
         result["local"] = digest(ck.load_local())
         result["writers"] = ck.loaded_manifest.world_size
+    elif mode == "schedule":
+        # Each rank's iterations take a different time: the decision must still be identical.
+        import time
+
+        from ckpt_engine.policy import Adaptive
+        from ckpt_engine.schedule import Schedule
+        policy = Adaptive(0.2, profile_steps=5)
+        sched = Schedule(policy, ck)
+        saved = []
+        for step in range(1, 61):
+            time.sleep(0.002 * (1 + rank))
+            if sched.should_save(step):
+                ck.save(make_state(step), step, make_local(step, rank))
+                sched.saved(step)
+                saved.append(step)
+        ck.wait()
+        result["saved"] = saved
     elif mode == "loop":
         step = int(os.environ.get("START_STEP", "1"))
         while True:

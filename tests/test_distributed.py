@@ -113,3 +113,9 @@ def test_sigkill_of_the_whole_job_leaves_the_newest_commit_loadable(tmp_path):
     assert all(manifest_dirs(ck.storage, s) for s in ck.steps())
     names = os.listdir(root)
     assert all(n == "latest" or any(n == d for _, d in manifest_dirs(ck.storage)) for n in names), names
+
+
+def test_every_rank_takes_the_same_decision_at_the_same_step(tmp_path):
+    results = run_ranks(2, "schedule", str(tmp_path / "ck"), tmp_path / "out")
+    assert results[0]["saved"] == results[1]["saved"] and len(results[0]["saved"]) >= 2
+    assert Checkpointer(str(tmp_path / "ck")).latest_step() == results[0]["saved"][-1]
