@@ -168,7 +168,8 @@ def retain(storage: Storage, committed_dir: str, keep_last: int | None, attempt_
 
 
 def sweep(storage: Storage) -> list[str]:
-    """At start, before any rank writes: remove uncommitted attempts and stale temp files.
+    """At start, before any rank writes: remove uncommitted attempts, stale temp files and
+    unfinished multipart uploads.
 
     Call it on one rank only, while no save of this path is in progress (the job's previous
     incarnation is dead). Returns the removed names.
@@ -181,4 +182,5 @@ def sweep(storage: Storage) -> list[str]:
     for tmp in storage.stale_temp_files():
         storage.remove(tmp)
         removed.append(tmp)
+    removed += [f"upload:{key}" for key in storage.abort_uploads()]
     return removed

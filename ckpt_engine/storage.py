@@ -20,101 +20,141 @@ from __future__ import annotations
 import os
 import posixpath
 import uuid
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from .errors import StorageError
+from .retry import retrying
+
+T = TypeVar("T")
 
 _TMP_PREFIX = ".tmp-"
 _OBJECT_BLOCK = 64 << 20
+_NO_DIRECTORIES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "adl"}
 
 
 class Storage:
-    """A checkpoint root directory (``/dir``, ``file:///dir``, ``memory://x``, ``s3://b/p`` ...)."""
+    """A checkpoint root directory (``/dir``, ``file:///dir``, ``memory://x``, ``s3://b/p`` ...).
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+    ``retry_deadline``: seconds to keep retrying transient errors on remote filesystems.
+    """
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *,
+                 retry_deadline: float = 60.0) -> None:
         try:
             self.fs, root = fsspec.core.url_to_fs(str(url), **(storage_options or {}))
-        except (ImportError, ValueError) as e:
+        except ImportError as e:
+            raise StorageError(f"cannot open checkpoint path {url!r}: {e}; install the fsspec backend for it "
+                               "(for s3://: pip install 'ckpt-suite[s3]')") from e
+        except ValueError as e:
             raise StorageError(f"cannot open checkpoint path {url!r}: {e}") from e
         self.url = str(url)
         self.local = isinstance(self.fs, LocalFileSystem)
         self.root = os.path.abspath(root) if self.local else root.rstrip("/")
         protocol = self.fs.protocol
         self.protocol = protocol if isinstance(protocol, str) else protocol[0]
+        self.retry_deadline = retry_deadline
 
     # ---- naming -------------------------------------------------------------------------------
     def path(self, *parts: str) -> str:
         """Absolute path (in the filesystem's terms) of ``parts`` below the root."""
-        return posixpath.join(self.root, *parts) if not self.local else os.path.join(self.root, *parts)
+        return os.path.join(self.root, *parts) if self.local else posixpath.join(self.root, *parts).rstrip("/")
 
     def describe(self, *parts: str) -> str:
-        """A path for messages: URL-like, so users can paste it."""
+        """A path for messages: URL-like, so users can paste it (never credentials)."""
         return self.path(*parts) if self.local else f"{self.protocol}://{self.path(*parts)}"
 
     # ---- writing ------------------------------------------------------------------------------
     def makedirs(self, rel: str) -> None:
         """Create directory ``rel`` (a no-op on object stores, which have no directories)."""
-        with self._errors("create directory", rel):
-            if self.local:
-                os.makedirs(self.path(rel), exist_ok=True)
-            else:
-                self.fs.makedirs(self.path(rel), exist_ok=True)
+        if self.local:
+            self._run("create directory", rel, lambda: os.makedirs(self.path(rel), exist_ok=True))
+        elif self.protocol not in _NO_DIRECTORIES:
+            self._run("create directory", rel, lambda: self.fs.makedirs(self.path(rel), exist_ok=True))
 
-    def write_stream(self, rel: str, chunks: Iterable[memoryview | bytes]) -> int:
-        """Write ``chunks`` to file ``rel``; durable when this returns. Returns the byte count."""
-        written = 0
-        with self._errors("write", rel):
-            if self.local:
-                fd = os.open(self.path(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                try:
-                    for chunk in chunks:
-                        written += _write_all(fd, chunk)
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                _fsync_dir(os.path.dirname(self.path(rel)))
-                return written
+    def write_stream(self, rel: str, chunks: Sequence[memoryview | bytes] | Iterable[memoryview | bytes]) -> int:
+        """Write ``chunks`` to file ``rel``; durable when this returns. Returns the byte count.
+
+        On object stores a large file goes up as a multipart upload (parts of ``_OBJECT_BLOCK``)
+        completed only at the end, so a crash never leaves a visible partial object.
+        """
+        if self.local:
+            return self._run("write", rel, lambda: self._write_local(rel, chunks))
+        chunks = list(chunks)  # a retry writes them again
+
+        def write() -> int:
+            written = 0
             with self.fs.open(self.path(rel), "wb", block_size=_OBJECT_BLOCK) as f:
                 for chunk in chunks:
                     f.write(chunk)
                     written += len(chunk)
+            return written
+
+        return self._run("write", rel, write)
+
+    def _write_local(self, rel: str, chunks: Iterable[memoryview | bytes]) -> int:
+        written = 0
+        fd = os.open(self.path(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for chunk in chunks:
+                written += _write_all(fd, chunk)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        _fsync_dir(os.path.dirname(self.path(rel)))
         return written
 
     def write_atomic(self, rel: str, data: bytes) -> None:
         """Replace file ``rel`` with ``data`` so that readers never see a partial file."""
-        with self._errors("write", rel):
-            if not self.local:
-                self.fs.pipe_file(self.path(rel), data)
-                return
-            final = self.path(rel)
-            tmp = os.path.join(os.path.dirname(final), f"{_TMP_PREFIX}{uuid.uuid4().hex}-{os.path.basename(final)}")
-            try:
-                self.write_stream(os.path.relpath(tmp, self.root), [data])
-                os.replace(tmp, final)
-            except BaseException:
-                _unlink_quiet(tmp)
-                raise
-            _fsync_dir(os.path.dirname(final))
+        if not self.local:
+            self._run("write", rel, lambda: self.fs.pipe_file(self.path(rel), data))
+            return
+        final = self.path(rel)
+        tmp = os.path.join(os.path.dirname(final), f"{_TMP_PREFIX}{uuid.uuid4().hex}-{os.path.basename(final)}")
+        try:
+            self.write_stream(os.path.relpath(tmp, self.root), [data])
+            self._run("rename", rel, lambda: os.replace(tmp, final))
+        except BaseException:
+            _unlink_quiet(tmp)
+            raise
+        self._run("sync directory of", rel, lambda: _fsync_dir(os.path.dirname(final)))
 
     def remove(self, rel: str) -> None:
         """Delete file or directory tree ``rel``; a missing one is not an error."""
-        with self._errors("remove", rel):
+        def rm() -> None:
             try:
                 self.fs.rm(self.path(rel), recursive=True)
             except FileNotFoundError:
                 pass
 
+        self._run("remove", rel, rm)
+
+    def abort_uploads(self) -> list[str]:
+        """Abort unfinished multipart uploads below the root (crashed writers leave them billed
+        and invisible). Object stores that have them only; returns the keys aborted."""
+        if self.protocol not in ("s3", "s3a"):
+            return []
+        bucket, _, prefix = self.root.partition("/")
+        aborted = []
+        for up in self._run("list uploads of", "", lambda: self.fs.list_multipart_uploads(bucket)):
+            key = up.get("Key", "")
+            if key.startswith(prefix.rstrip("/") + "/" if prefix else ""):
+                self._run("abort upload of", key, lambda up=up: self.fs.call_s3(
+                    "abort_multipart_upload", Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"]))
+                aborted.append(key)
+        return aborted
+
     # ---- reading ------------------------------------------------------------------------------
     def read_bytes(self, rel: str) -> bytes:
         """Whole content of file ``rel``."""
-        with self._errors("read", rel):
-            if self.local:
+        if self.local:
+            def read() -> bytes:
                 with open(self.path(rel), "rb") as f:
                     return f.read()
-            return self.fs.cat_file(self.path(rel))
+            return self._run("read", rel, read)
+        return self._run("read", rel, lambda: self.fs.cat_file(self.path(rel)))
 
     def reader(self, rel: str) -> "Reader":
         """An open file for ranged reads into caller-provided memory (close it, or use ``with``)."""
@@ -122,37 +162,37 @@ class Storage:
 
     def exists(self, rel: str) -> bool:
         """Whether ``rel`` exists now (listing caches bypassed)."""
-        with self._errors("check", rel):
-            if self.local:
-                return os.path.exists(self.path(rel))
-            self.fs.invalidate_cache(posixpath.dirname(self.path(rel)))
-            return self.fs.exists(self.path(rel))
+        if self.local:
+            return os.path.exists(self.path(rel))
+        return self._run("check", rel, lambda: self._fresh(rel) or self.fs.exists(self.path(rel)))
 
     def size(self, rel: str) -> int | None:
         """Size of file ``rel`` in bytes, or ``None`` if it does not exist."""
-        with self._errors("stat", rel):
+        def stat() -> int | None:
             try:
                 if self.local:
                     return os.stat(self.path(rel)).st_size
-                self.fs.invalidate_cache(posixpath.dirname(self.path(rel)))
+                self._fresh(rel)
                 return int(self.fs.size(self.path(rel)))
             except FileNotFoundError:
                 return None
 
+        return self._run("stat", rel, stat)
+
     def listdir(self, rel: str = "") -> list[str]:
         """Names (not paths) directly below ``rel``, fresh; empty when it does not exist."""
-        with self._errors("list", rel):
-            full = self.path(rel) if rel else self.root
-            if self.local:
-                try:
-                    return sorted(os.listdir(full))
-                except FileNotFoundError:
-                    return []
-            self.fs.invalidate_cache(full)
+        full = self.path(rel) if rel else self.root
+
+        def ls() -> list[str]:
             try:
+                if self.local:
+                    return sorted(os.listdir(full))
+                self.fs.invalidate_cache(full)
                 return sorted(posixpath.basename(p.rstrip("/")) for p in self.fs.ls(full, detail=False))
             except FileNotFoundError:
                 return []
+
+        return self._run("list", rel, ls)
 
     def stale_temp_files(self, rel: str = "") -> Iterator[str]:
         """Temporary files a crashed ``write_atomic`` left in ``rel``."""
@@ -160,8 +200,15 @@ class Storage:
             if name.startswith(_TMP_PREFIX):
                 yield posixpath.join(rel, name) if rel else name
 
-    def _errors(self, action: str, rel: str) -> "_StorageErrors":
-        return _StorageErrors(action, self.describe(rel))
+    def _fresh(self, rel: str) -> bool:
+        """Drop fsspec's cached listing of ``rel``'s directory (s3fs caches listings)."""
+        self.fs.invalidate_cache(posixpath.dirname(self.path(rel)))
+        return False
+
+    def _run(self, action: str, rel: str, fn: Callable[[], T]) -> T:
+        """``fn()``; retried while transient on remote filesystems; errors become StorageError."""
+        with _StorageErrors(action, self.describe(rel)):
+            return fn() if self.local else retrying(fn, self.retry_deadline)
 
 
 class Reader:
@@ -175,12 +222,11 @@ class Reader:
         self._storage, self._rel = storage, rel
         self._fd: int | None = None
         if storage.local:
-            with storage._errors("open", rel):
-                self._fd = os.open(storage.path(rel), os.O_RDONLY)
+            self._fd = storage._run("open", rel, lambda: os.open(storage.path(rel), os.O_RDONLY))
 
     def read_into(self, offset: int, dest: memoryview) -> None:
         """Fill ``dest`` with the bytes at ``offset``; a short file is an error naming it."""
-        with self._storage._errors("read", self._rel):
+        def read() -> None:
             got = 0
             if self._fd is not None:
                 while got < len(dest):
@@ -189,12 +235,13 @@ class Reader:
                         break
                     got += n
             else:
-                fs, path = self._storage.fs, self._storage.path(self._rel)
-                data = fs.cat_file(path, start=offset, end=offset + len(dest))
+                data = self._storage.fs.cat_file(self._storage.path(self._rel), start=offset, end=offset + len(dest))
                 got = len(data)
                 dest[:got] = data
             if got != len(dest):
                 raise EOFError(f"file ends after {offset + got} bytes, {offset + len(dest)} expected")
+
+        self._storage._run("read", self._rel, read)
 
     def close(self) -> None:
         if self._fd is not None:

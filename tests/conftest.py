@@ -59,6 +59,42 @@ class SlowStorage(Storage):
         return super().write_stream(rel, chunks)
 
 
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server over real HTTP on loopback, with credentials in the environment."""
+    import os
+
+    import s3server
+
+    server = s3server.start()
+    saved = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
+    s3server.make_bucket(server, "ckpt")
+    yield server
+    server.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture
+def s3_url(s3_server):
+    """A fresh prefix in the test bucket."""
+    return f"s3://ckpt/run-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(params=["local", "memory", "s3"])
+def any_url(request, tmp_path):
+    """The same test on every backend (the storage conformance suite)."""
+    if request.param == "local":
+        return str(tmp_path / "ck")
+    if request.param == "memory":
+        return f"memory://ckpt-test-{uuid.uuid4().hex}"
+    return request.getfixturevalue("s3_url")
+
+
 @pytest.fixture
 def memory_url():
     """A fresh memory:// root (the in-process filesystem is global, so names must be unique)."""

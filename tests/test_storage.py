@@ -1,0 +1,121 @@
+"""The storage contract, one conformance class run on every backend (local, memory://, s3:// on
+a real moto HTTP endpoint), plus object-store specifics: multipart, retries, credentials."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ckpt_engine import Checkpointer, CheckpointError, CorruptionError, StorageError
+from ckpt_engine.catalog import manifest_dirs
+from ckpt_engine.retry import is_transient, retrying
+from ckpt_engine.storage import Storage
+from helpers import assert_same
+
+
+class TestStorageContract:
+    def test_write_read_ranges_and_sizes(self, any_url):
+        st = Storage(any_url)
+        st.makedirs("d")
+        assert st.write_stream("d/f.bin", [memoryview(b"hello "), b"world"]) == 11
+        assert st.read_bytes("d/f.bin") == b"hello world" and st.size("d/f.bin") == 11
+        dest = bytearray(5)
+        with st.reader("d/f.bin") as r:
+            r.read_into(6, memoryview(dest))
+        assert dest == b"world"
+        with pytest.raises(StorageError, match="f.bin.*file ends after 11 bytes"):
+            with st.reader("d/f.bin") as r:
+                r.read_into(8, memoryview(bytearray(10)))
+
+    def test_atomic_replace_listing_and_remove(self, any_url):
+        st = Storage(any_url)
+        st.makedirs("d")
+        st.write_atomic("d/m.json", b"1")
+        st.write_atomic("d/m.json", b"22")
+        assert st.read_bytes("d/m.json") == b"22" and st.listdir("d") == ["m.json"]
+        assert st.exists("d/m.json") and not st.exists("d/nope") and st.size("d/nope") is None
+        assert "d" in st.listdir()
+        st.remove("d")
+        st.remove("d")  # a missing one is fine
+        assert not st.exists("d/m.json") and st.listdir("d") == []
+
+    def test_missing_file_is_a_storage_error_naming_it(self, any_url):
+        with pytest.raises(StorageError, match="could not read .*missing.bin"):
+            Storage(any_url).read_bytes("missing.bin")
+
+    def test_checkpoint_roundtrip_and_corruption(self, any_url):
+        state = {"w": torch.randn(300, 300), "b": torch.arange(10), "v": "x"}
+        with Checkpointer(any_url, keep_last=2) as ck:
+            for step in (1, 2, 3):
+                ck.save(state, step, {"rank": 0})
+            ck.wait()
+            assert ck.steps() == [2, 3]
+            assert_same(ck.load(), state)
+            dirname = manifest_dirs(ck.storage)[-1][1]
+            raw = bytearray(ck.storage.read_bytes(f"{dirname}/rank-00000.bin"))
+            raw[100] ^= 0xFF
+            ck.storage.write_atomic(f"{dirname}/rank-00000.bin", bytes(raw))
+            with pytest.raises(CorruptionError, match=r"rank-00000.bin: checksum mismatch in tensor 'state\['w'\]'"):
+                ck.load()
+
+
+def test_large_shards_go_up_as_multipart_and_stale_uploads_are_aborted(s3_url, s3_server):
+    st = Storage(s3_url)
+    big = torch.randn(20 * 2**20 // 4)  # 20 MiB > the 5 MiB multipart minimum
+    with Checkpointer(st) as ck:
+        ck.save({"big": big}, 1)
+        ck.wait()
+        assert torch.equal(ck.load()["big"], big)
+    bucket, _, prefix = st.root.partition("/")
+    key = f"{prefix}/step-000000000002-0000000000000000000a/rank-00000.bin"
+    up = st.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)  # a crashed writer's upload
+    assert any(u["Key"] == key for u in st.fs.list_multipart_uploads(bucket))
+    Checkpointer(s3_url).close()  # start-up sweep
+    assert not any(u["UploadId"] == up["UploadId"] for u in st.fs.list_multipart_uploads(bucket))
+
+
+def test_storage_options_work_as_well_as_the_environment(s3_server, monkeypatch):
+    for k in s3_server.env:
+        monkeypatch.delenv(k, raising=False)
+    url = "s3://ckpt/by-options"
+    with Checkpointer(url, storage_options=s3_server.storage_options()) as ck:
+        ck.save({"a": torch.ones(3)}, 1)
+        ck.wait()
+        assert ck.steps() == [1]
+
+
+def test_credentials_never_appear_in_errors(s3_server, monkeypatch):
+    secret = "SUPER-SECRET-VALUE-123"
+    opts = s3_server.storage_options() | {"secret": secret}
+    for k in s3_server.env:
+        monkeypatch.delenv(k, raising=False)
+    st = Storage("s3://no-such-bucket-here/run", opts, retry_deadline=1)
+    with pytest.raises(CheckpointError) as err:
+        st.read_bytes("manifest.json")
+    assert secret not in str(err.value) and secret not in repr(err.value.__cause__)
+
+
+def test_retry_classification_and_bounded_backoff():
+    assert is_transient(ConnectionResetError()) and is_transient(TimeoutError())
+    assert not is_transient(FileNotFoundError()) and not is_transient(PermissionError())
+    wrapped = OSError("s3 said")
+    wrapped.__cause__ = type("ClientError", (Exception,), {"response": {
+        "Error": {"Code": "SlowDown"}, "ResponseMetadata": {"HTTPStatusCode": 503}}})()
+    assert is_transient(wrapped)
+    calls, sleeps, now = [], [], [0.0]
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 4:
+            raise ConnectionResetError("dropped")
+        return "ok"
+
+    assert retrying(flaky, 10, sleep=sleeps.append, clock=lambda: now[0]) == "ok" and len(calls) == 4
+
+    def always():
+        now[0] += 1
+        raise ConnectionResetError("down")
+
+    with pytest.raises(ConnectionResetError) as err:
+        retrying(always, 5, sleep=lambda s: None, clock=lambda: now[0])
+    assert 2 <= err.value.ckpt_attempts <= 6
