@@ -19,6 +19,7 @@ import os
 import secrets
 import threading
 import time
+import warnings
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from . import catalog
 from .catalog import dir_name
 from .comm import Comm, LocalComm
 from .commit import CommitInputs, retain, sweep, wait_for_commit, write_abort
-from .errors import CheckpointError, NoCheckpointError
+from .errors import CheckpointError, CheckpointWarning, NoCheckpointError
 from .manifest import Manifest, RankRecord, TensorEntry
 from .persist import PersistJob, PersistWorker, SaveRecord
 from .plan import Plan, TensorMeta, make_plan
@@ -86,6 +87,10 @@ class Checkpointer:
             rank's share).
         on_busy: when every buffer is still being persisted: ``"wait"`` for one, or ``"skip"``
             this checkpoint (counted in ``counters["skipped"]``).
+        on_error: a failed background persist is re-raised once on the training side
+            (``"raise"``), or reported as a :class:`CheckpointWarning` and counted in
+            ``counters["failed"]`` so training goes on (``"warn"``). Either way the failed
+            checkpoint never becomes visible and the previous one stays loadable.
         commit_timeout: seconds rank 0 waits for every rank's files before failing the commit.
         read_threads: parallel reads per rank in ``load()``; default: this machine's cores
             divided among the ranks that share it (``LOCAL_WORLD_SIZE``, else the world size).
@@ -93,12 +98,15 @@ class Checkpointer:
 
     def __init__(self, path: "str | Storage", *, comm: Comm | None = None, keep_last: int | None = None,
                  storage_options: dict[str, Any] | None = None, max_inflight: int = 1,
-                 on_busy: Literal["wait", "skip"] = "wait", commit_timeout: float = 600.0,
+                 on_busy: Literal["wait", "skip"] = "wait", on_error: Literal["raise", "warn"] = "raise",
+                 commit_timeout: float = 600.0,
                  read_threads: int | None = None) -> None:
         if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
             raise ValueError(f"keep_last must be a positive integer or None, got {keep_last!r}")
         if on_busy not in ("wait", "skip"):
             raise ValueError(f"on_busy must be 'wait' or 'skip', got {on_busy!r}")
+        if on_error not in ("raise", "warn"):
+            raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
         if commit_timeout <= 0:
             raise ValueError(f"commit_timeout must be > 0, got {commit_timeout!r}")
         self.comm: Comm = comm if comm is not None else LocalComm()
@@ -107,7 +115,8 @@ class Checkpointer:
         if self.storage.protocol == "memory" and self.world_size > 1:
             raise CheckpointError(f"{path!r}: memory:// lives in one process and cannot hold a checkpoint of "
                                   f"{self.world_size} ranks; use a shared filesystem or object store")
-        self.keep_last, self.on_busy, self.commit_timeout = keep_last, on_busy, commit_timeout
+        self.keep_last, self.on_busy, self.on_error = keep_last, on_busy, on_error
+        self.commit_timeout = commit_timeout
         self.read_threads = read_threads or _default_read_threads(self.world_size)
         if self.rank == 0:
             self.storage.makedirs("")
@@ -125,7 +134,7 @@ class Checkpointer:
         self._closed = False
         self._lock = threading.Lock()
         self.records: deque[SaveRecord] = deque(maxlen=1000)
-        self.counters = {"saves": 0, "skipped": 0, "waited_s": 0.0, "committed": 0}
+        self.counters = {"saves": 0, "skipped": 0, "waited_s": 0.0, "committed": 0, "failed": 0}
 
     # ---- saving -------------------------------------------------------------------------------
     def save(self, state: Any, step: int, local: Any = None, *, defer: bool = False) -> SaveHandle | None:
@@ -305,10 +314,17 @@ class Checkpointer:
 
     def _raise_background_error(self) -> None:
         error = self._worker.take_error()
-        if error is not None:
-            if isinstance(error, CheckpointError):
-                raise error
-            raise CheckpointError(f"background persist failed: {type(error).__name__}: {error}") from error
+        if error is None:
+            return
+        self.counters["failed"] += 1
+        if not isinstance(error, CheckpointError):
+            wrapped = CheckpointError(f"background persist failed: {type(error).__name__}: {error}")
+            wrapped.__cause__ = error
+            error = wrapped
+        if self.on_error == "warn":
+            warnings.warn(f"checkpoint not saved: {error}", CheckpointWarning, stacklevel=3)
+            return
+        raise error
 
     def _check_open(self) -> None:
         if self._closed:

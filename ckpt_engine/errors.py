@@ -33,3 +33,7 @@ class CommitTimeoutError(CheckpointError, TimeoutError):
 
 class NoCheckpointError(CheckpointError, FileNotFoundError):
     """No committed checkpoint (or not the requested step) exists at the path."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint failed in the background and ``on_error="warn"`` let training go on."""

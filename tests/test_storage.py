@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckpt_engine import Checkpointer, CheckpointError, CorruptionError, StorageError
+from ckpt_engine import Checkpointer, CheckpointError, CheckpointWarning, CorruptionError, StorageError
 from ckpt_engine.catalog import manifest_dirs
 from ckpt_engine.retry import is_transient, retrying
 from ckpt_engine.storage import Storage
@@ -119,3 +119,63 @@ def test_retry_classification_and_bounded_backoff():
     with pytest.raises(ConnectionResetError) as err:
         retrying(always, 5, sleep=lambda s: None, clock=lambda: now[0])
     assert 2 <= err.value.ckpt_attempts <= 6
+
+
+@pytest.fixture
+def proxy(s3_server):
+    from urllib.parse import urlparse
+
+    from faultproxy import FaultProxy
+
+    target = urlparse(s3_server.endpoint)
+    p = FaultProxy((target.hostname, target.port))
+    yield p
+    p.close()
+
+
+def proxied(s3_server, proxy, retry_deadline=30.0, prefix=None):
+    import uuid
+    opts = s3_server.storage_options()
+    opts["client_kwargs"] = dict(opts["client_kwargs"], endpoint_url=proxy.endpoint)
+    opts["skip_instance_cache"] = True
+    # botocore's own retries are cut short so that ours are what is tested.
+    opts["config_kwargs"] = {"retries": {"max_attempts": 1, "mode": "standard"}, "connect_timeout": 2,
+                             "read_timeout": 5}
+    return Storage(prefix or f"s3://ckpt/flaky-{uuid.uuid4().hex[:8]}", opts, retry_deadline=retry_deadline)
+
+
+@pytest.mark.parametrize("how", ["503", "drop"])
+def test_transient_http_failures_are_retried(s3_server, proxy, how):
+    st = proxied(s3_server, proxy)
+    state = {"w": torch.randn(1000, 100)}
+    with Checkpointer(st) as ck:
+        proxy.fail(6, how)
+        ck.save(state, 1)
+        ck.wait()
+        assert proxy.injected == 6
+        assert_same(ck.load(), state)
+
+
+def test_persistent_failure_surfaces_keeps_previous_and_training_goes_on(s3_server, proxy):
+    st = proxied(s3_server, proxy, retry_deadline=1.5)
+    with Checkpointer(st, on_error="warn", commit_timeout=5) as ck:
+        ck.save({"v": torch.tensor(1)}, 1)
+        ck.wait()
+        proxy.fail(-1, "503")
+        ck.save({"v": torch.tensor(2)}, 2)
+        with pytest.warns(CheckpointWarning, match="could not .*step-000000000002"):
+            ck.wait()
+        assert ck.counters["failed"] == 1
+        proxy.heal()
+        assert ck.steps() == [1] and ck.load()["v"].item() == 1  # the failed one never became visible
+        ck.save({"v": torch.tensor(3)}, 3)  # training went on
+        ck.wait()
+        assert ck.steps() == [1, 3]
+    strict = Checkpointer(proxied(s3_server, proxy, retry_deadline=1.0, prefix=st.url), commit_timeout=5)
+    proxy.fail(-1, "drop")
+    strict.save({"v": torch.tensor(4)}, 4)
+    with pytest.raises(StorageError, match="could not write .*step-000000000004"):
+        strict.wait()
+    proxy.heal()
+    strict.close()
+    assert Checkpointer(st).latest_step() == 3
