@@ -6,7 +6,8 @@ in the environment. Modes:
 * ``save ROOT OUT STEPS``: save ``make_state(s)`` for s in 1..STEPS, then wait and close;
 * ``load ROOT OUT``: load the newest checkpoint, write digests of what came back to OUT;
 * ``loop ROOT OUT``: save every step forever (the test SIGKILLs it), printing committed steps;
-* ``schedule ROOT OUT``: an adaptive schedule with rank-dependent iteration times.
+* ``schedule ROOT OUT``: an adaptive schedule with rank-dependent iteration times;
+* ``crashloop ROOT OUT``: check what a restart restored, then save every step until killed.
 """
 
 from __future__ import annotations
@@ -99,6 +100,25 @@ def main() -> None:
                 saved.append(step)
         ck.wait()
         result["saved"] = saved
+    elif mode == "crashloop":
+        # Restart after a SIGKILL: check what was restored, then save every step until killed.
+        step = 0
+        latest = ck.latest_step()
+        if latest is not None:
+            state = ck.load()
+            ok = digest(state) == digest(make_state(latest)) and digest(ck.load_local()) == digest(make_local(latest, rank))
+            for other in ck.steps():  # every committed checkpoint is whole and verifies
+                ok = ok and digest(ck.load(step=other)) == digest(make_state(other))
+            print(f"restored {latest} {'ok' if ok else 'MISMATCH'}", flush=True)
+            step = latest
+        reported = None
+        while True:
+            step += 1
+            ck.save(make_state(step), step, make_local(step, rank))
+            done = [r.step for r in ck.records if r.committed]
+            if done and done[-1] != reported:
+                reported = done[-1]
+                print(f"committed {reported}", flush=True)
     elif mode == "loop":
         step = int(os.environ.get("START_STEP", "1"))
         while True:
