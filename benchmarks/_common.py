@@ -6,19 +6,60 @@ Nothing here imports ``ckpt_engine``: the physical limits must not depend on the
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import random
+import shutil
 import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import torch
+import torch.distributed as dist
 
 T = TypeVar("T")
+Metrics = dict[str, float]
 MiB = 1 << 20
 GB = 1e9
+
+
+# ---- one rank's view -----------------------------------------------------------------------------
+@dataclass
+class RankCtx:
+    """What a contender needs to know about its rank."""
+
+    rank: int
+    world: int
+    state: dict[str, Any]
+    workdir: str
+    reps: int
+    peer_reps: int
+    cold: bool = True
+    """Whether this round starts with the allocator's free memory handed back (exact RSS
+    figures, first-touch page faults paid) or with a warm heap (steady-state timings)."""
+
+    def barrier(self) -> None:
+        """Line all ranks up so that they start a measurement together."""
+        if self.world > 1:
+            dist.barrier()
+
+    def before_load(self) -> None:
+        """Give free heap back first, so no restore reuses memory an earlier one left behind."""
+        trim_heap()
+        self.barrier()
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.workdir, name)
+
+    def remove(self, prefix: str) -> None:
+        """After every rank is done with them, rank 0 deletes the entries named ``prefix*``."""
+        self.barrier()
+        if self.rank == 0:
+            for name in os.listdir(self.workdir):
+                if name.startswith(prefix):
+                    target = self.path(name)
+                    shutil.rmtree(target) if os.path.isdir(target) else os.unlink(target)
+        self.barrier()
 
 
 # ---- timing ---------------------------------------------------------------------------------------
@@ -78,15 +119,20 @@ class MemProbe:
         self.baseline = 0
         self.exact = True
 
-    def start(self, baseline: int | None = None) -> "MemProbe":
-        """Reset the peak; measure growth from ``baseline`` bytes (default: the RSS now)."""
-        trim_heap()
+    def start(self, keep_baseline: bool = False, trim: bool = True) -> "MemProbe":
+        """Reset the peak; measure growth from the RSS now (or, with ``keep_baseline``, from the
+        previous ``start()``'s, so that memory kept across calls still counts). ``trim=False``
+        leaves the allocator's free memory in place: a steady-state timing, an RSS figure that
+        may miss reused memory."""
+        if trim:
+            trim_heap()
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
         except OSError:
             self.exact = False
-        self.baseline = rss_bytes() if baseline is None else baseline
+        if not keep_baseline:
+            self.baseline = rss_bytes()
         return self
 
     def peak_extra(self) -> int:
@@ -96,10 +142,12 @@ class MemProbe:
 
 def trim_heap() -> None:
     """Return free heap memory to the kernel (glibc only; a no-op elsewhere)."""
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+_LIBC = ctypes.CDLL(None)
 
 
 # ---- the synthetic training state -----------------------------------------------------------------

@@ -27,6 +27,8 @@ from .errors import CorruptionError, FormatError
 from .values import TORCH_DTYPES, parse_dtype
 
 FORMAT_VERSION = 1
+ALIGN = 64
+"""Pieces start at multiples of this; a piece's checksum covers its bytes and its zero padding."""
 MANIFEST_NAME = "manifest.json"
 MAX_TENSOR_BYTES = 1 << 44  # 16 TiB: anything larger is a hostile or corrupt manifest
 _RANK_FILE = re.compile(r"rank-(\d{5})\.(bin|index\.json)")
@@ -107,6 +109,7 @@ class RankIndex:
         local_tensors = tuple(v.tensor(t, f"local_tensors[{i}]") for i, t in enumerate(v.list(d, "local_tensors")))
         data_bytes = v.int(d, "data_bytes")
         entries = tuple(v.entry(e, i, data_bytes) for i, e in enumerate(v.list(d, "entries")))
+        _check_tiling(entries, data_bytes, where)
         if not isinstance(d.get("stats"), dict) or not isinstance(d.get("attempt"), str):
             raise FormatError(f"{where}: missing 'stats' or 'attempt'")
         return RankIndex(v.int(d, "step"), rank, world, d["attempt"], data_bytes, entries, local_tensors,
@@ -194,6 +197,27 @@ def unseal(raw: bytes, where: str) -> bytes:
     if xxhash.xxh3_64_hexdigest(body).encode() != raw[len(_SEAL_HEAD):len(_SEAL_HEAD) + 16]:
         raise CorruptionError(f"{where}: checksum mismatch (the manifest was modified or damaged)")
     return body
+
+
+def extents(entries: Sequence[IndexEntry], data_bytes: int) -> list[int]:
+    """End offset of each entry's checksummed extent (its bytes plus padding up to the next)."""
+    order = sorted(range(len(entries)), key=lambda i: entries[i].offset)
+    ends = [0] * len(entries)
+    for pos, i in enumerate(order):
+        ends[i] = entries[order[pos + 1]].offset if pos + 1 < len(order) else data_bytes
+    return ends
+
+
+def _check_tiling(entries: Sequence[IndexEntry], data_bytes: int, where: str) -> None:
+    """The entries' extents tile the data file exactly, so every byte of it is under a checksum."""
+    position = 0
+    for e in sorted(entries, key=lambda e: e.offset):
+        if e.offset != position:
+            raise FormatError(f"{where}: entries leave bytes {position}:{e.offset} of the data file uncovered "
+                              "or overlap")
+        position = e.offset + -(-e.nbytes // ALIGN) * ALIGN
+    if position != data_bytes and not (not entries and data_bytes == 0):
+        raise FormatError(f"{where}: entries cover {position} bytes of a {data_bytes}-byte data file")
 
 
 def _tensor_json(t: TensorEntry) -> list:

@@ -71,10 +71,10 @@ def write_rank(storage: Storage, job: PersistJob) -> None:
         job.buffer.event.synchronize()
     start = time.perf_counter()
     view = job.buffer.view(job.nbytes)
+    ends = [p.offset for p in job.pieces[1:]] + [job.nbytes]  # layout order: each piece padded up to the next
     entries = tuple(
-        IndexEntry(p.local, p.tensor, p.start, p.stop, p.offset, p.nbytes,
-                   xxhash.xxh3_64_hexdigest(view[p.offset:p.offset + p.nbytes]))
-        for p in job.pieces
+        IndexEntry(p.local, p.tensor, p.start, p.stop, p.offset, p.nbytes, xxhash.xxh3_64_hexdigest(view[p.offset:end]))
+        for p, end in zip(job.pieces, ends)
     )
     storage.makedirs(job.dirname)
     storage.write_stream(f"{job.dirname}/{data_file(job.rank)}", [view])
@@ -133,7 +133,7 @@ class PersistWorker:
         try:
             self._persist_and_commit(job)
         finally:
-            job.record.finished_at = time.perf_counter()
+            job.record.finished_at = job.record.finished_at or time.perf_counter()
 
     def _persist_and_commit(self, job: PersistJob) -> None:
         try:
@@ -146,6 +146,7 @@ class PersistWorker:
                 commit(self._storage, job.dirname, job.commit, self._timeout)
                 job.record.commit_s = time.perf_counter() - start
                 job.record.committed = True
+                job.record.finished_at = time.perf_counter()
                 self._after_commit(job)
         except Abandoned:
             job.record.skipped = True

@@ -20,7 +20,7 @@ import xxhash
 
 from .errors import CorruptionError, FormatError, StorageError
 from .manifest import (MANIFEST_NAME, IndexEntry, Manifest, RankIndex, TensorEntry, check_coverage,
-                       data_file, index_file)
+                       data_file, extents, index_file)
 from .storage import Reader, Storage
 from .values import decode, parse_dtype
 
@@ -74,7 +74,7 @@ def read_state(storage: Storage, ck: Opened, threads: int = 4) -> object:
     tensors = [_empty(t) for t in ck.manifest.tensors]
     jobs = [(idx.rank, e) for idx in ck.indexes for e in idx.entries if not e.local]
     names = [tensor_name(t, i) for i, t in enumerate(ck.manifest.tensors)]
-    _read_entries(storage, ck.dirname, jobs, tensors, names, threads)
+    _read_entries(storage, ck, jobs, tensors, names, threads)
     return decode(ck.manifest.state, tensors.__getitem__)
 
 
@@ -92,7 +92,7 @@ def read_local(storage: Storage, ck: Opened, rank: int) -> object:
     if sum(covered) != len(metas):
         raise FormatError(f"{storage.describe(f'{ck.dirname}/{index_file(rank)}')}: local tensors missing")
     names = [f"local {tensor_name(t, i)}" for i, t in enumerate(metas)]
-    _read_entries(storage, ck.dirname, jobs, tensors, names, threads=2)
+    _read_entries(storage, ck, jobs, tensors, names, threads=2)
     return decode(idx.local, tensors.__getitem__)
 
 
@@ -114,9 +114,11 @@ def _empty(t: TensorEntry) -> torch.Tensor:
     return torch.empty(t.shape, dtype=parse_dtype(t.dtype))
 
 
-def _read_entries(storage: Storage, dirname: str, jobs: Sequence[tuple[int, IndexEntry]],
+def _read_entries(storage: Storage, ck: Opened, jobs: Sequence[tuple[int, IndexEntry]],
                   tensors: Sequence[torch.Tensor], names: Sequence[str], threads: int) -> None:
-    """Read and verify every entry, in up to ``threads`` groups of about equal bytes."""
+    """Read and verify every entry (and its padding), in up to ``threads`` groups of about equal bytes."""
+    dirname = ck.dirname
+    ends = {idx.rank: dict(zip(idx.entries, extents(idx.entries, idx.data_bytes))) for idx in ck.indexes}
     ordered = sorted(jobs, key=lambda j: (j[0], j[1].offset))
     workers = max(1, min(threads, len(ordered), os.cpu_count() or 1))
     total = sum(e.nbytes for _, e in ordered) or 1
@@ -136,7 +138,12 @@ def _read_entries(storage: Storage, dirname: str, jobs: Sequence[tuple[int, Inde
                 item = t.element_size()
                 dest = memoryview(t.reshape(-1).view(torch.uint8).numpy())[e.start * item:e.stop * item]
                 readers[rank].read_into(e.offset, dest)
-                if xxhash.xxh3_64_hexdigest(dest) != e.xxh3:
+                digest = xxhash.xxh3_64(dest)
+                padding = memoryview(bytearray(ends[rank][e] - e.offset - e.nbytes))
+                if len(padding):
+                    readers[rank].read_into(e.offset + e.nbytes, padding)
+                    digest.update(padding)
+                if digest.hexdigest() != e.xxh3:
                     raise CorruptionError(
                         f"{storage.describe(f'{dirname}/{data_file(rank)}')}: checksum mismatch in tensor "
                         f"{names[e.tensor]} (elements {e.start}:{e.stop} at byte {e.offset})")

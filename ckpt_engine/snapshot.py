@@ -18,8 +18,7 @@ import torch
 
 from .plan import Slice
 
-ALIGN = 64
-"""Byte alignment of every piece in the buffer/file (any dtype can be viewed at such an offset)."""
+from .manifest import ALIGN
 
 
 @dataclass(frozen=True)
@@ -57,10 +56,11 @@ def _align(n: int) -> int:
 
 
 class HostBuffer:
-    """A reusable host byte buffer (pinned when the state lives on a GPU)."""
+    """A reusable host byte buffer (pinned when the state lives on a GPU), zero-filled once."""
 
     def __init__(self, nbytes: int, pinned: bool) -> None:
-        self.tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
+        # zeros: the padding between pieces is written and checksummed, and must not leak old memory
+        self.tensor = torch.zeros(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
         self.pinned = pinned
         self.address = self.tensor.data_ptr()
         self.event: "torch.cuda.Event | None" = None
@@ -107,6 +107,18 @@ class BufferPool:
             self._count += 1
         self.allocations += 1
         return HostBuffer(nbytes, pinned)
+
+    def reserve(self, nbytes: int, pinned: bool) -> None:
+        """Allocate every slot now (at set-up), so the first snapshots do not pay for it."""
+        with self._cond:
+            while self._count < self.max_inflight:
+                self._free.append(HostBuffer(nbytes, pinned))
+                self._count += 1
+                self.allocations += 1
+            for i, buf in enumerate(self._free):
+                if buf.capacity < nbytes or buf.pinned != pinned:
+                    self._free[i] = HostBuffer(nbytes, pinned)
+                    self.allocations += 1
 
     def release(self, buf: HostBuffer) -> None:
         """Give ``buf`` back for reuse."""

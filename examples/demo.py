@@ -226,7 +226,7 @@ def main() -> int:
             print("demo: run (c) did not resume from a checkpoint")
             return 2
         print(f"(c) resumed from step {mc['resumed_from']} (crash was after step {args.kill_at}: "
-              f"{args.kill_at - mc['resumed_from']} steps redone), restore took {mc['restore_s'] * 1e3:.1f} ms, "
+              f"{args.kill_at - mc['resumed_from']} step(s) redone), restore took {mc['restore_s'] * 1e3:.1f} ms, "
               f"finished in {res.wall_s:.1f} s wall")
 
         banner("figures: checkpoints of run (a) (2 ranks, each writes its own slice of every tensor)")

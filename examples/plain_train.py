@@ -17,12 +17,20 @@ Launch with torchrun::
 
 or start the ranks yourself with MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE in the
 environment (that is what ``examples/demo.py`` does). ``--kill-at-step K`` makes every rank
-SIGKILL itself right after step K, to simulate a crash.
+SIGKILL itself right after step K, to simulate a crash; run the same command again and it
+resumes. torchrun can also restart it for you (the kill fires only in the first incarnation)::
+
+    torchrun --standalone --nproc-per-node 2 --max-restarts 1 examples/plain_train.py \
+        --dir /tmp/ck --kill-at-step 73
+
+(``--standalone`` matters: with torch 2.13's default static rendezvous the restarted ranks fail
+to reconnect in gloo's connectFullMesh.)
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -294,8 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"done: step {step}, final rank-0 loss {loss.item():.4f}, {train_s:.1f} s of training")
     mine = [{"step": r.step, "bytes": r.bytes, "stall_s": r.stall_s, "snapshot_s": r.snapshot_s,
              "persist_s": r.persist_s, "commit_s": r.commit_s, "committed": r.committed} for r in ck.records]
-    records = [None] * world
-    dist.all_gather_object(records, mine)
+    records = ck.comm.all_gather(mine)  # the engine's JSON collective: no pickle
     if rank == 0 and args.metrics:
         with open(args.metrics, "w") as f:
             json.dump({"world_size": world, "resumed_from": resumed_from, "restore_s": restore_s,
@@ -304,6 +311,12 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0 and args.out_weights:
         torch.save(model.state_dict(), args.out_weights)
     ck.close()
+    # Free DDP (its C++ Reducer holds the process group) before destroying the group. Otherwise
+    # the group's last reference can drop inside the Reducer's destructor, which runs with the
+    # GIL held, while a gloo worker thread needs the GIL to free a finished collective's tensors:
+    # an intermittent hang at exit (torch 2.13, same family as pytorch/pytorch#56297).
+    del ddp
+    gc.collect()
     dist.destroy_process_group()
     return 0
 

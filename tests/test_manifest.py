@@ -25,7 +25,7 @@ def make_manifest(**over) -> Manifest:
 def make_index(rank: int = 1) -> RankIndex:
     entries = (IndexEntry(False, 0, 4, 8, 0, 16, "00000000000000aa"), IndexEntry(False, 1, 0, 1, 64, 1, "0" * 16),
                IndexEntry(True, 0, 0, 3, 128, 12, "1" * 16))
-    return RankIndex(12, rank, 2, "x", 140, entries, (TensorEntry("int32", (3,), rank, "local['pos']"),),
+    return RankIndex(12, rank, 2, "x", 192, entries, (TensorEntry("int32", (3,), rank, "local['pos']"),),
                      {"$tensor": 0}, {"persist_s": 0.5})
 
 
@@ -93,7 +93,9 @@ def test_hostile_manifests_are_rejected(mutate, message):
 
 @pytest.mark.parametrize("mutate, message", [
     (lambda b: b.update(data_file="../rank-00001.bin"), "data_file"),
-    (lambda b: b["entries"][0].__setitem__(4, 10**9), "outside the 140-byte data file"),
+    (lambda b: b["entries"][0].__setitem__(4, 10**9), "outside the 192-byte data file"),
+    (lambda b: b["entries"][1].__setitem__(4, 72), "uncovered or overlap"),
+    (lambda b: b.update(data_bytes=256), "cover 192 bytes of a 256-byte data file"),
     (lambda b: b["entries"][0].__setitem__(2, -1), "malformed"),
     (lambda b: b["entries"][0].__setitem__(6, "not-a-hash"), "malformed"),
     (lambda b: b["entries"][0].__setitem__(3, 2), "outside|malformed"),
