@@ -198,10 +198,16 @@ class Checkpointer:
         lay = self._layout(enc, lenc)
         self._pool.reserve(lay.nbytes, pinned=any(t.is_cuda for t in enc.tensors + lenc.tensors))
 
-    def wait(self) -> None:
-        """Block until every pending save is committed (or dropped); re-raise a background error."""
+    def wait(self, *, retention: bool = False) -> None:
+        """Block until every pending save is committed (or dropped); re-raise a background error.
+
+        Deleting older checkpoints (``keep_last``) runs on its own thread and is not waited for,
+        unless ``retention=True``; ``close()`` always waits for it.
+        """
         self._check_open()
         self._drain()
+        if retention:
+            self._check_retention(wait=True)
 
     def close(self) -> None:
         """Wait for pending saves, then stop the background threads. Idempotent."""
@@ -213,6 +219,7 @@ class Checkpointer:
             self._closed = True
             self._worker.stop()
             self._janitor.shutdown(wait=True)
+            self._check_retention(wait=True)
             if self._snapshots is not None:
                 self._snapshots.shutdown(wait=True)
 
@@ -342,14 +349,20 @@ class Checkpointer:
                 self._pending = None
         self._worker.drain()
         self._raise_background_error()
-        retaining, self._retaining = self._retaining, []
-        for f in retaining:
-            error = f.exception()
-            if error is not None:  # a failed deletion loses nothing: the next commit retries it
-                warnings.warn(f"retention failed: {error}", CheckpointWarning, stacklevel=3)
+        self._check_retention(wait=False)
         if self.rank != 0 and self._last_dir is not None:
             wait_for_commit(self.storage, self._last_dir, self.world_size, self.commit_timeout)
             self._last_dir = None
+
+    def _check_retention(self, wait: bool) -> None:
+        """Warn about failed deletions (nothing is lost: the next commit retries them)."""
+        pending = []
+        for f in self._retaining:
+            if not wait and not f.done():
+                pending.append(f)
+            elif f.exception() is not None:
+                warnings.warn(f"retention failed: {f.exception()}", CheckpointWarning, stacklevel=4)
+        self._retaining = pending
 
     def _raise_background_error(self) -> None:
         error = self._worker.take_error()

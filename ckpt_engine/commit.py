@@ -131,7 +131,7 @@ def commit(storage: Storage, dirname: str, inputs: CommitInputs, timeout: float)
     manifest = inputs.manifest_body(tuple(records), time.time())
     check_coverage(manifest, indexes, lambda r: storage.describe(f"{dirname}/{index_file(r)}"))
     storage.write_atomic(f"{dirname}/{MANIFEST_NAME}", manifest.to_json())
-    storage.write_atomic(LATEST, dirname.encode())
+    storage.write_atomic(LATEST, dirname.encode(), durable=False)  # a hint: listings are the truth
     return manifest
 
 

@@ -77,7 +77,8 @@ def write_rank(storage: Storage, job: PersistJob) -> None:
         for p, end in zip(job.pieces, ends)
     )
     storage.makedirs(job.dirname)
-    storage.write_stream(f"{job.dirname}/{data_file(job.rank)}", [view])
+    # No directory fsync here: the index file's atomic write below syncs the same directory.
+    storage.write_stream(f"{job.dirname}/{data_file(job.rank)}", [view], sync_dir=False)
     job.record.persist_s = time.perf_counter() - start
     index = RankIndex(job.step, job.rank, job.world_size, job.attempt, job.nbytes, entries, job.local_tensors,
                       job.local_tree, {"snapshot_s": job.record.snapshot_s, "persist_s": job.record.persist_s,

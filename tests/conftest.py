@@ -22,10 +22,10 @@ class FailingStorage(Storage):
 
     fail_on: str | None = None
 
-    def write_stream(self, rel, chunks):
+    def write_stream(self, rel, chunks, **kw):
         if self.fail_on and self.fail_on in rel:
-            return super().write_stream(rel, _break_halfway(chunks))
-        return super().write_stream(rel, chunks)
+            return super().write_stream(rel, _break_halfway(chunks), **kw)
+        return super().write_stream(rel, chunks, **kw)
 
 
 def _break_halfway(chunks):
@@ -46,7 +46,7 @@ class SlowStorage(Storage):
         self.max_active = 0
         self._lock = threading.Lock()
 
-    def write_stream(self, rel, chunks):
+    def write_stream(self, rel, chunks, **kw):
         if rel.endswith(".bin"):
             with self._lock:
                 self.active += 1
@@ -56,7 +56,7 @@ class SlowStorage(Storage):
             finally:
                 with self._lock:
                     self.active -= 1
-        return super().write_stream(rel, chunks)
+        return super().write_stream(rel, chunks, **kw)
 
 
 @pytest.fixture(scope="session")

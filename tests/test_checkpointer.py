@@ -113,7 +113,7 @@ def test_keep_last_deletes_older_only_after_a_newer_commit(tmp_path):
     with Checkpointer(str(tmp_path), keep_last=2) as ck:
         for step in (1, 2, 3, 4):
             ck.save({"s": torch.tensor(step)}, step)
-            ck.wait()
+            ck.wait(retention=True)
             assert ck.steps() == [max(1, step - 1), step][-min(step, 2):]
         assert len(attempt_dirs(ck.storage)) == 2
 
@@ -123,7 +123,7 @@ def test_saving_an_existing_step_replaces_it(tmp_path):
         ck.save({"v": torch.tensor(1)}, 5)
     with Checkpointer(str(tmp_path)) as ck:  # a resumed job reaches step 5 again
         ck.save({"v": torch.tensor(2)}, 5)
-        ck.wait()
+        ck.wait(retention=True)
         assert ck.steps() == [5] and ck.load()["v"].item() == 2
         assert len(attempt_dirs(ck.storage)) == 1
 

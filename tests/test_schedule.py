@@ -29,7 +29,7 @@ def train(ck, policy, steps, width=256, clock=None):
                      "policy": policy.state_dict()}, step)
             sched.saved(step)
             saved.append(step)
-    ck.wait()
+    ck.wait(retention=True)
     return saved
 
 

@@ -48,7 +48,7 @@ class TestStorageContract:
         with Checkpointer(any_url, keep_last=2) as ck:
             for step in (1, 2, 3):
                 ck.save(state, step, {"rank": 0})
-            ck.wait()
+            ck.wait(retention=True)
             assert ck.steps() == [2, 3]
             assert_same(ck.load(), state)
             dirname = manifest_dirs(ck.storage)[-1][1]
@@ -160,7 +160,7 @@ def test_persistent_failure_surfaces_keeps_previous_and_training_goes_on(s3_serv
     st = proxied(s3_server, proxy, retry_deadline=1.5)
     with Checkpointer(st, on_error="warn", commit_timeout=5) as ck:
         ck.save({"v": torch.tensor(1)}, 1)
-        ck.wait()
+        ck.wait(retention=True)
         proxy.fail(-1, "503")
         ck.save({"v": torch.tensor(2)}, 2)
         with pytest.warns(CheckpointWarning, match="could not .*step-000000000002"):
