@@ -1,4 +1,5 @@
-"""PyTorch Lightning front end for ckpt-suite.
+"""Lightning front end: the :class:`AsyncShardedCheckpoint` callback (``pytorch_lightning``)."""
 
-Placeholder: the Lightning front end arrives in a later release.
-"""
+from .callback import AsyncShardedCheckpoint
+
+__all__ = ["AsyncShardedCheckpoint"]

@@ -1,0 +1,316 @@
+"""``AsyncShardedCheckpoint``: two-phase, rank-sliced checkpoints for a Lightning ``Trainer``.
+
+Every rank takes part (Lightning's ``CheckpointIO`` only runs on rank 0, so the writer lives in
+this callback): after each real optimizer step the shared :class:`~ckpt_engine.schedule.Schedule`
+decides, identically on every rank, whether to checkpoint; each rank then snapshots its slice of
+the replicated state and persists it in the background.
+
+What a checkpoint holds, split the way data parallelism splits it:
+
+* replicated (sliced across ranks): model parameters and optimizer states;
+* per rank (whole): model buffers (BatchNorm statistics differ across DDP ranks after a step),
+  the RNG states of Python, NumPy, torch and CUDA, the data position (epoch, batches consumed,
+  the epoch-start RNG of the sampler), and the rest of Lightning's checkpoint (loops, schedulers,
+  callbacks, precision, datamodule, plain hyper-parameters); on restore that rest comes from
+  writer rank 0, as in Lightning's own checkpoints.
+
+Resume: with ``resume="auto"`` (or ``trainer.fit(ckpt_path=<one of our checkpoints>)``) Lightning
+restores from the dictionary this callback assembles; the train sampler is wrapped so that the
+interrupted epoch continues at the next unseen sample, and the RNG streams are restored at the
+step (see ``ckpt_engine.resumable``). Not bitwise: random augmentation inside DataLoader workers
+(their seeds derive from a draw at ``iter()`` time) and a restore on a different world size (the
+data split changes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import warnings
+from datetime import timedelta
+from typing import Any, Literal, Optional
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import Callback
+from pytorch_lightning.utilities.exceptions import SIGTERMException
+
+from ckpt_engine import Checkpointer, CheckpointError, LocalComm, TorchDistComm
+from ckpt_engine.config import CheckpointConfig
+from ckpt_engine.errors import UnsupportedValueError
+from ckpt_engine.resumable import ResumableSampler, rng_state, set_rng_state
+from ckpt_engine.schedule import Schedule
+from ckpt_engine.values import encode
+
+from . import _trainer_api
+from ._resume import CheckpointIOWrapper, assemble, is_our_checkpoint
+
+_REPLICATED = ("state_dict", "optimizer_states")
+
+
+class AsyncShardedCheckpoint(Callback):
+    """Asynchronous, rank-sliced checkpoints to any fsspec path, with exact resume.
+
+    Args:
+        path / dirpath: checkpoint root (local path or fsspec URL); ``dirpath`` is Lightning's name.
+        every_n_steps / every_n_train_steps: checkpoint every N optimizer steps.
+        every_seconds / train_time_interval: about every T seconds (a number or a ``timedelta``).
+        overhead_budget: adaptive frequency under this fraction of training time (e.g. ``0.035``).
+        max_interval: at least every this many seconds, composed with any trigger.
+        keep_last: committed checkpoints to keep. levels: one level, or use ``path``.
+        storage_options: fsspec options (leave credentials to fsspec's own configuration).
+        resume: ``"auto"`` continues from the newest committed checkpoint under ``path``;
+            ``"never"`` starts fresh (``trainer.fit(ckpt_path=...)`` still works).
+        save_on_train_end / save_on_exception / save_on_sigterm: final checkpoints.
+        pipeline: deferred snapshot (copy during the next forward/backward, waited for just before
+            the next optimizer step). Off by default: measured in ``benchmarks/bench_lightning.py``.
+        max_inflight, commit_timeout: passed to :class:`~ckpt_engine.Checkpointer`.
+    """
+
+    def __init__(self, path: Optional[str] = None, *, dirpath: Optional[str] = None,
+                 every_n_steps: Optional[int] = None, every_n_train_steps: Optional[int] = None,
+                 every_seconds: Optional[float] = None, train_time_interval: Optional[timedelta] = None,
+                 overhead_budget: Optional[float] = None, max_interval: Optional[float] = None,
+                 keep_last: Optional[int] = 3, levels: Optional[list[str]] = None,
+                 storage_options: Optional[dict[str, Any]] = None, resume: Literal["auto", "never"] = "auto",
+                 save_on_train_end: bool = True, save_on_exception: bool = True, save_on_sigterm: bool = True,
+                 pipeline: bool = False, max_inflight: int = 1, commit_timeout: float = 600.0) -> None:
+        super().__init__()
+        self.config = CheckpointConfig(
+            path=_one_of("path", path, "dirpath", dirpath),
+            every_n_steps=_one_of("every_n_steps", every_n_steps, "every_n_train_steps", every_n_train_steps),
+            every_seconds=_one_of("every_seconds", every_seconds, "train_time_interval",
+                                  train_time_interval.total_seconds() if isinstance(train_time_interval, timedelta)
+                                  else train_time_interval),
+            overhead_budget=overhead_budget, max_interval=max_interval, keep_last=keep_last,
+            levels=tuple(levels) if levels is not None else None, storage_options=dict(storage_options or {}))
+        if resume not in ("auto", "never"):
+            raise ValueError(f"resume must be 'auto' or 'never', got {resume!r}")
+        if type(max_inflight) is not int or max_inflight < 1:
+            raise ValueError(f"max_inflight must be a positive integer, got {max_inflight!r}")
+        self.resume, self.pipeline, self.max_inflight = resume, pipeline, max_inflight
+        self.save_on_train_end, self.save_on_exception = save_on_train_end, save_on_exception
+        self.save_on_sigterm, self.commit_timeout = save_on_sigterm, commit_timeout
+        self.policy = self.config.policy()
+        self.ck: Checkpointer | None = None
+        self.schedule: Schedule | None = None
+        self.resumed_from: int | None = None
+        self._pending_rng: dict[str, Any] | None = None
+        self._pending_data: dict[str, Any] | None = None
+        self._samplers: list[ResumableSampler] = []
+        self._handle: Any = None
+        self._last_global_step = -1
+        self._last_saved_step: int | None = None
+        self._reported = 0
+        self._interval_start = time.perf_counter()
+
+    @property
+    def state_key(self) -> str:
+        return f"{type(self).__name__}[{self.config.location}]"
+
+    # ---- set-up and resume ------------------------------------------------------------------
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage != "fit" or self.ck is not None:
+            return
+        unsupported = _trainer_api.unsupported_strategy(trainer)
+        if unsupported:
+            raise CheckpointError(f"AsyncShardedCheckpoint does not support {unsupported} yet: it slices "
+                                  "replicated (data-parallel) state; use DDP, ddp_spawn or a single device")
+        dist_ready = torch.distributed.is_available() and torch.distributed.is_initialized()
+        comm = TorchDistComm() if dist_ready and trainer.world_size > 1 else LocalComm()
+        self.ck = Checkpointer(self.config.location, comm=comm, keep_last=self.config.keep_last,
+                               storage_options=dict(self.config.storage_options), max_inflight=self.max_inflight,
+                               commit_timeout=self.commit_timeout)
+        self.schedule = Schedule(self.policy, self.ck)
+        trainer.strategy.checkpoint_io = CheckpointIOWrapper(trainer.strategy.checkpoint_io, self)
+        _trainer_api.wrap_process_dataloader(trainer, self._make_resumable)
+        if self.resume == "auto":
+            step = comm.broadcast(self.ck.latest_step() if comm.rank == 0 else None)
+            if step is not None:
+                _trainer_api.inject_loaded_checkpoint(trainer, self.restore(step))
+
+    def restore(self, step: int | None) -> dict[str, Any]:
+        """Load checkpoint ``step`` (newest if ``None``) as the dictionary Lightning restores from;
+        remember this rank's data position and RNG for the moments they must be applied."""
+        assert self.ck is not None
+        state = self.ck.load(step)
+        own = self.ck.load_local()
+        first = own if self.ck.rank == 0 and own is not None else self.ck.load_local(rank=0)
+        mine = own if own is not None else first
+        checkpoint = assemble(state, first["misc"], mine["buffers"])
+        self._pending_data = mine["data"]
+        self._pending_rng = own["rng"] if own is not None else None
+        self.resumed_from = self.ck.loaded_manifest.step if self.ck.loaded_manifest else step
+        for sampler in self._samplers:
+            self._apply_data_position(sampler)
+        return checkpoint
+
+    def _make_resumable(self, dataloader: Any) -> Any:
+        batch_sampler = getattr(dataloader, "batch_sampler", None)
+        if batch_sampler is None or not hasattr(batch_sampler, "sampler"):
+            warnings.warn("AsyncShardedCheckpoint: the train DataLoader has no batch sampler; a mid-epoch "
+                          "resume restarts that epoch's data", stacklevel=2)
+            return dataloader
+        if not isinstance(batch_sampler.sampler, ResumableSampler):
+            batch_sampler.sampler = ResumableSampler(batch_sampler.sampler)
+        sampler = batch_sampler.sampler
+        self._samplers = [sampler]
+        self._batch_size = int(getattr(batch_sampler, "batch_size", 1) or 1)
+        self._apply_data_position(sampler)
+        return dataloader
+
+    def _apply_data_position(self, sampler: ResumableSampler) -> None:
+        data = self._pending_data
+        if data is not None:
+            sampler.resume(data["epoch"], data["consumed_batches"] * data["batch_size"], data["epoch_rng"])
+            self._pending_data = None
+
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._pending_rng is not None:  # after the loader's set-up draws, as they were at save time
+            set_rng_state(self._pending_rng)
+            self._pending_rng = None
+        self._last_global_step = trainer.global_step
+        if self.schedule is not None:
+            self.schedule.restart_clock()
+
+    # ---- saving -----------------------------------------------------------------------------
+    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                                 optimizer: Any) -> None:
+        if self._handle is not None:  # a deferred snapshot must finish before weights change
+            self._handle.wait_snapshot()
+            self._handle = None
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self._last_global_step:
+            return  # gradient accumulation: no optimizer step yet, the state is not consistent
+        self._last_global_step = trainer.global_step
+        assert self.schedule is not None
+        if self.schedule.should_save(trainer.global_step):
+            self._save(trainer, pl_module, batch_idx + 1, defer=self.pipeline)
+            self.schedule.saved(trainer.global_step)
+        self._report(trainer)
+
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.ck is None:
+            return
+        if self.save_on_train_end and self._last_saved_step != trainer.global_step:
+            self._save(trainer, pl_module, self._consumed(trainer), defer=False)
+        self.ck.wait()
+        self._report(trainer)
+
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        if self.ck is None or self._last_saved_step == trainer.global_step:
+            return
+        sigterm = isinstance(exception, SIGTERMException)
+        if (sigterm and self.save_on_sigterm) or (not sigterm and self.save_on_exception):
+            if not sigterm and self.ck.world_size > 1:
+                warnings.warn("AsyncShardedCheckpoint: no final checkpoint on an exception under several ranks "
+                              "(the other ranks may not reach it, so it could never commit)", stacklevel=2)
+                return
+            # Lightning raises SIGTERMException on every rank at the same step (it broadcasts the signal).
+            self._save(trainer, pl_module, self._consumed(trainer), defer=False)
+            self.ck.wait()
+            self._report(trainer)
+
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage == "fit" and self.ck is not None:
+            try:
+                self.ck.close()
+            finally:
+                self.ck = None
+
+    def _consumed(self, trainer: "pl.Trainer") -> int:
+        return int(trainer.fit_loop.epoch_loop.batch_progress.current.completed)
+
+    def _save(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", consumed: int, defer: bool) -> None:
+        assert self.ck is not None
+        checkpoint = _trainer_api.dump_checkpoint(trainer)
+        buffers = {name for name, _ in pl_module.named_buffers()}
+        weights = checkpoint.pop("state_dict")
+        state = {"state_dict": {k: v for k, v in weights.items() if k not in buffers},
+                 "optimizer_states": checkpoint.pop("optimizer_states", [])}
+        sampler = self._samplers[0] if self._samplers else None
+        local = {"misc": _plain_misc(checkpoint),
+                 "buffers": {k: v.detach().clone() for k, v in weights.items() if k in buffers},
+                 "rng": rng_state(),
+                 "data": {"epoch": trainer.current_epoch, "consumed_batches": consumed,
+                          "batch_size": getattr(self, "_batch_size", 1),
+                          "epoch_rng": sampler.epoch_rng if sampler is not None else None}}
+        self._handle = self.ck.save(state, trainer.global_step, local, defer=defer)
+        self._last_saved_step = trainer.global_step
+
+    # ---- figures -------------------------------------------------------------------------------
+    def _report(self, trainer: "pl.Trainer") -> None:
+        """Log the figures of every checkpoint that finished since the last report (rank 0)."""
+        if self.ck is None or self.ck.rank != 0:
+            return
+        records = list(self.ck.records)
+        done = [r for r in records[self._reported:] if r.finished_at or r.skipped]
+        if not done:
+            return
+        self._reported += len(done)
+        figures = self.policy.figures()
+        for rec in done:
+            row = {"step": rec.step, "stall_ms": rec.stall_s * 1e3, "snapshot_ms": rec.snapshot_s * 1e3,
+                   "persist_ms": rec.persist_s * 1e3, "commit_ms": rec.commit_s * 1e3, "bytes": rec.bytes,
+                   "gb_per_s": rec.bytes / rec.persist_s / 1e9 if rec.persist_s else 0.0,
+                   "committed": rec.committed, "skipped": rec.skipped, "time": time.time(),
+                   **{k: v for k, v in figures.items() if not (isinstance(v, float) and math.isnan(v))}}
+            self._write_record(row)
+            if trainer.logger is not None:
+                trainer.logger.log_metrics({f"ckpt/{k}": float(v) for k, v in row.items()
+                                            if isinstance(v, (int, float)) and k not in ("step", "time")},
+                                           step=rec.step)
+
+    def _write_record(self, row: dict[str, Any]) -> None:
+        assert self.ck is not None
+        storage = self.ck.storage
+        line = json.dumps(row).encode() + b"\n"
+        if storage.local:  # append where appending exists; one object per checkpoint elsewhere
+            with open(os.path.join(storage.root, "figures.jsonl"), "ab") as f:
+                f.write(line)
+        else:
+            storage.write_atomic(f"figures/step-{row['step']:012d}.json", line)
+
+    # ---- the callback's own state (rides in Lightning's checkpoint) -----------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.policy.load_state_dict(state_dict.get("policy", {}))
+
+
+def _one_of(name: str, value: Any, alias: str, alias_value: Any) -> Any:
+    if value is not None and alias_value is not None:
+        raise ValueError(f"give {name!r} or Lightning's {alias!r}, not both ({value!r} and {alias_value!r})")
+    return value if value is not None else alias_value
+
+
+def _plain_misc(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """Lightning's checkpoint minus weights; hyper-parameters that are not plain values are
+    dropped with a warning (resume does not need them), anything else unstorable is an error."""
+    out = {}
+    for key, value in checkpoint.items():
+        try:
+            encode(value, key)
+        except UnsupportedValueError as e:
+            if "hyper_parameters" not in key and "hparams" not in key:
+                raise
+            if isinstance(value, dict):
+                kept = {}
+                for k, v in value.items():
+                    try:
+                        encode(v, k)
+                        kept[k] = v
+                    except UnsupportedValueError:
+                        warnings.warn(f"AsyncShardedCheckpoint: hyper-parameter {k!r} is not a plain value and "
+                                      "is not stored (resume does not need it)", stacklevel=3)
+                value = kept
+            else:
+                warnings.warn(f"AsyncShardedCheckpoint: {key} not stored: {e}", stacklevel=3)
+                continue
+        out[key] = value
+    return out

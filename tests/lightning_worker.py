@@ -1,0 +1,126 @@
+"""A small real Lightning job for the integration tests (CPU, 1 or 2 ranks with ddp_spawn).
+
+Usage: ``python lightning_worker.py OUT CKPT [--devices 2] [--workers 0] [--max-steps 40]
+[--every 5] [--kill-at K] [--sigterm-at K] [--tag NAME] [--ckpt-path PATH] [--model-checkpoint]``.
+Every rank appends the sample ids of each batch to ``OUT/seen-<tag>-rank<r>.jsonl``; rank 0 writes
+the final weights and optimizer state to ``OUT/final-<tag>.pt`` and the resumed step to
+``OUT/resumed-<tag>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from lightning_ckpt import AsyncShardedCheckpoint  # noqa: E402
+
+
+class Numbered(Dataset):
+    """A fixed synthetic regression set; each item carries its id."""
+
+    def __init__(self, n: int = 256, dim: int = 16) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, dim, generator=g)
+        self.y = (self.x @ torch.randn(dim, 1, generator=g)).squeeze(1) + 0.1 * torch.randn(n, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return i, self.x[i], self.y[i]
+
+
+class Net(pl.LightningModule):
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__()
+        self.args = args
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(),
+                                       torch.nn.Dropout(0.3), torch.nn.Linear(64, 1))
+
+    def setup(self, stage: str) -> None:
+        torch.set_num_threads(1)  # two ranks share two cores
+
+    def training_step(self, batch, batch_idx):
+        ids, x, y = batch
+        with open(os.path.join(self.args.out, f"seen-{self.args.tag}-rank{self.global_rank}.jsonl"), "a") as f:
+            f.write(json.dumps({"step": self.global_step + 1, "epoch": self.current_epoch,
+                                "ids": ids.tolist()}) + "\n")
+        loss = torch.nn.functional.mse_loss(self.net(x).squeeze(1), y)
+        self.log("loss", loss)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        step = self.global_step
+        if self.global_rank == 0 and step == self.args.kill_at:
+            os.killpg(os.getpgid(0), signal.SIGKILL)  # the whole job, mid-epoch
+        if self.global_rank == 0 and step == self.args.sigterm_at:
+            os.kill(os.getpid(), signal.SIGTERM)  # what a scheduler sends; Lightning tells the other ranks
+
+    def configure_optimizers(self):
+        opt = torch.optim.Adam(self.parameters(), lr=0.01)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.7)}
+
+    def train_dataloader(self):
+        return DataLoader(Numbered(), batch_size=8, shuffle=True, num_workers=self.args.workers,
+                          persistent_workers=self.args.workers > 0)
+
+    def on_train_start(self):
+        if self.args.dump_restored and self.global_rank == 0:
+            opt = self.trainer.optimizers[0]
+            torch.save({"model": self.state_dict(), "optimizer": opt.state_dict(), "step": self.global_step},
+                       os.path.join(self.args.out, f"restored-{self.args.tag}.pt"))
+
+    def on_train_end(self):
+        if self.args.model_checkpoint:  # every rank calls it; Lightning writes on rank 0
+            self.trainer.save_checkpoint(os.path.join(self.args.out, "manual.ckpt"))
+        if self.global_rank == 0:
+            opt = self.trainer.optimizers[0]
+            torch.save({"model": self.state_dict(), "optimizer": opt.state_dict(), "step": self.global_step},
+                       os.path.join(self.args.out, f"final-{self.args.tag}.pt"))
+            cb = next(c for c in self.trainer.callbacks if isinstance(c, AsyncShardedCheckpoint))
+            with open(os.path.join(self.args.out, f"resumed-{self.args.tag}.json"), "w") as f:
+                json.dump({"resumed_from": cb.resumed_from, "global_step": self.global_step}, f)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("ckpt")
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--max-steps", type=int, default=40)
+    p.add_argument("--every", type=int, default=5)
+    p.add_argument("--kill-at", type=int, default=-1)
+    p.add_argument("--sigterm-at", type=int, default=-1)
+    p.add_argument("--tag", default="run")
+    p.add_argument("--ckpt-path", default=None)
+    p.add_argument("--resume", default="auto")
+    p.add_argument("--model-checkpoint", action="store_true")
+    p.add_argument("--strategy", default="ddp_spawn")
+    p.add_argument("--dump-restored", action="store_true")
+    args = p.parse_args()
+    pl.seed_everything(1234, workers=True)
+    cb = AsyncShardedCheckpoint(dirpath=args.ckpt, every_n_train_steps=args.every, keep_last=3, resume=args.resume)
+    callbacks = [cb]
+    if args.model_checkpoint:
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=os.path.join(args.out, "mc"), monitor="loss",
+                                                      save_top_k=2, every_n_train_steps=4))
+    trainer = pl.Trainer(accelerator="cpu", devices=args.devices,
+                         strategy=args.strategy if args.devices > 1 else "auto", max_steps=args.max_steps,
+                         callbacks=callbacks, logger=pl.loggers.CSVLogger(args.out, name=args.tag),
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         num_sanity_val_steps=0, deterministic=True)
+    trainer.fit(Net(args), ckpt_path=args.ckpt_path)
+
+
+if __name__ == "__main__":
+    main()
