@@ -129,3 +129,59 @@ def test_explicit_ckpt_path_and_coexistence_with_model_checkpoint(tmp_path):
     assert json.load(open(tmp_path / "resumed-second.json"))["resumed_from"] == 12
     lightning_ckpt = torch.load(tmp_path / "manual.ckpt", weights_only=False)
     assert lightning_ckpt["global_step"] == 12  # trainer.save_checkpoint still writes Lightning's own file
+
+
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples")
+
+
+def cli(cwd, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, os.path.join(EXAMPLE, "lightning_train.py"), "fit", "--config",
+                           os.path.join(EXAMPLE, "lightning_cli.yaml"), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_lightning_cli_with_the_example_yaml_fits_writes_and_resumes(tmp_path):
+    first = cli(tmp_path, "--trainer.max_steps", "12")
+    assert first.returncode == 0, first.stderr[-3000:]
+    root = tmp_path / "checkpoints" / "tiny-lm"
+    assert Checkpointer(str(root)).steps() == [10, 12]
+    again = cli(tmp_path, "--trainer.max_steps", "14")  # the same command continues from step 12
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert Checkpointer(str(root)).steps()[-1] == 14
+
+
+@pytest.mark.parametrize("override, message", [
+    ('{"every_n_train_steps": 5, "overhead_budget": 0.1, "dirpath": "x"}', "mutually exclusive"),
+    ('{"dirpath": "x", "every_n_step": 5}', "every_n_step"),
+    ('{"dirpath": "x", "keep_last": -2}', "keep_last=-2 is invalid"),
+])
+def test_bad_callback_configuration_fails_naming_the_value(tmp_path, override, message):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("trainer:\n  accelerator: cpu\n  devices: 1\n  max_steps: 1\n  callbacks:\n"
+                   "    - class_path: lightning_ckpt.AsyncShardedCheckpoint\n"
+                   f"      init_args: {override}\n")
+    out = subprocess.run([sys.executable, os.path.join(EXAMPLE, "lightning_train.py"), "fit", "--config", str(cfg)],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and message in out.stderr, out.stderr[-2000:]
+
+
+def test_sharded_strategies_are_refused_and_unreachable_paths_named(tmp_path):
+    from ckpt_engine.config import ConfigError
+    from lightning_ckpt import AsyncShardedCheckpoint
+    with pytest.raises(ConfigError, match="every_n_steps and every_seconds are mutually exclusive"):
+        AsyncShardedCheckpoint(dirpath="x", every_n_train_steps=3, train_time_interval=__import__("datetime").timedelta(1))
+    with pytest.raises(ValueError, match="not both"):
+        AsyncShardedCheckpoint(path="a", dirpath="b")
+    import pytorch_lightning as pl
+    from ckpt_engine import CheckpointError
+    cb = AsyncShardedCheckpoint(dirpath="nosuchproto://bucket/run", every_n_train_steps=1)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, callbacks=[cb], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False)
+    with pytest.raises(CheckpointError, match="nosuchproto://bucket/run"):
+        cb.setup(trainer, None, "fit")
+    import types
+
+    from pytorch_lightning.strategies import FSDPStrategy
+    fsdp = types.SimpleNamespace(strategy=FSDPStrategy(), world_size=1)
+    with pytest.raises(CheckpointError, match="does not support FSDPStrategy yet"):
+        AsyncShardedCheckpoint(dirpath=str(tmp_path), every_n_train_steps=1).setup(fsdp, None, "fit")
