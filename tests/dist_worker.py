@@ -119,6 +119,38 @@ def main() -> None:
             if done and done[-1] != reported:
                 reported = done[-1]
                 print(f"committed {reported}", flush=True)
+    elif mode == "soak":
+        # Thousands of checkpoints against a deliberately slow storage: memory, threads and file
+        # descriptors must stay flat; back-pressure skips or waits, never queues.
+        import threading
+        import time
+
+        from ckpt_engine.storage import Storage
+
+        class Slow(Storage):
+            def write_stream(self, rel, chunks, **kw):
+                time.sleep(0.003)
+                return super().write_stream(rel, chunks, **kw)
+
+        ck.close()
+        ck = Checkpointer(Slow(root), comm=TorchDistComm(), keep_last=2, on_busy=os.environ.get("ON_BUSY", "skip"))
+        state = make_state(1)
+        total = int(sys.argv[4])
+
+        def probe() -> dict:
+            rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            return {"rss": rss, "threads": threading.active_count(), "fds": len(os.listdir("/proc/self/fd"))}
+
+        for step in range(1, total + 1):
+            state["model"]["count"].fill_(step)
+            ck.save(state, step, {"rank": rank})
+            if step == total // 5:
+                ck.wait(retention=True)
+                result["warm"] = probe()
+        ck.wait(retention=True)
+        result["end"] = probe()
+        result["counters"] = dict(ck.counters)
+        result["latest"] = ck.latest_step()
     elif mode == "loop":
         step = int(os.environ.get("START_STEP", "1"))
         while True:
