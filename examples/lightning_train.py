@@ -6,11 +6,21 @@
 The corpus is generated from a fixed seed (no download). The callback section of the YAML is
 all the checkpointing configuration there is; kill the job at any time and run the same command
 again: it resumes from the newest committed checkpoint, mid-epoch, at the next unseen sample.
+
+For ``examples/demo.py`` only, two environment variables add a small callback (nothing changes
+without them): ``CKPT_DEMO_KILL_AT=<step>`` makes rank 0 SIGKILL the job's whole process group
+right after that optimizer step (a simulated node failure), and ``CKPT_DEMO_WEIGHTS=<path>`` makes
+rank 0 save the final model and optimizer state (plus a few timings) there with ``torch.save``.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import sys
+import time
+from typing import Any, Optional
 
 import pytorch_lightning as pl
 import torch
@@ -87,9 +97,92 @@ class TinyLM(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class DemoHooks(pl.Callback):
+    """What ``examples/demo.py`` needs from a run, switched on by ``CKPT_DEMO_*`` variables.
+
+    Rank 0 prints a progress line every 10 steps, dies with its whole process group (``SIGKILL``)
+    right after step ``kill_at``, and at the end saves the final model and optimizer state (and
+    timings) to ``weights``. Appended after every other callback, so a checkpoint due at the kill
+    step is started first, as in a real crash right after that step.
+    """
+
+    def __init__(self, kill_at: Optional[int] = None, weights: Optional[str] = None) -> None:
+        self.kill_at, self.weights = kill_at, weights
+        self.step_times: dict[int, float] = {}  # optimizer step -> batch start to batch end, seconds
+        self.ckpt_hook_s: dict[int, float] = {}  # step -> time in AsyncShardedCheckpoint.on_train_batch_end
+        self._t0 = 0.0
+
+    def _ckpt(self, trainer: "pl.Trainer") -> Any:
+        from lightning_ckpt import AsyncShardedCheckpoint
+
+        return next((c for c in trainer.callbacks if isinstance(c, AsyncShardedCheckpoint)), None)
+
+    def _log(self, trainer: "pl.Trainer", text: str) -> None:
+        if trainer.global_rank == 0:
+            print(f"[rank0] {text}", flush=True)
+
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        ck = self._ckpt(trainer)
+        if ck is not None:  # time the checkpoint callback's hook: its whole cost to the training loop
+            hook = ck.on_train_batch_end
+
+            def timed(trainer: "pl.Trainer", *args: Any, **kwargs: Any) -> None:
+                start = time.perf_counter()
+                hook(trainer, *args, **kwargs)
+                self.ckpt_hook_s[trainer.global_step] = time.perf_counter() - start
+
+            ck.on_train_batch_end = timed
+        per_epoch = trainer.num_training_batches
+        if ck is not None and ck.resumed_from is not None:
+            epoch, where = trainer.current_epoch, f"epoch {trainer.current_epoch}"
+            done = ck.resumed_from - epoch * per_epoch  # one batch per step without gradient accumulation
+            if trainer.accumulate_grad_batches == 1 and 0 <= done < per_epoch:
+                where += f", continuing at batch {done + 1}/{per_epoch}"
+            elif trainer.accumulate_grad_batches == 1 and done == per_epoch:
+                where += " complete"
+            self._log(trainer, f"RESUMED (resume=auto) from committed checkpoint at step {ck.resumed_from} ({where})")
+        else:
+            n = sum(p.numel() for p in pl_module.parameters())
+            self._log(trainer, f"fresh start: {n:,} parameters, {per_epoch} steps/epoch x {trainer.world_size} "
+                               f"ranks x batch {trainer.train_dataloader.batch_size}")
+
+    def on_train_batch_start(self, trainer: "pl.Trainer", *args: Any) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        self.step_times[step] = time.perf_counter() - self._t0
+        if step % 10 == 0:
+            loss = outputs["loss"].item() if isinstance(outputs, dict) else float("nan")
+            self._log(trainer, f"step {step:>4}/{trainer.max_steps}  epoch {trainer.current_epoch}  "
+                               f"batch {batch_idx + 1:>2}/{trainer.num_training_batches}  loss {loss:.4f}")
+        if step == self.kill_at and trainer.global_rank == 0:
+            self._log(trainer, f"simulated crash: SIGKILL to the whole process group right after step {step} "
+                               f"(epoch {trainer.current_epoch}, batch {batch_idx + 1}/{trainer.num_training_batches})")
+            sys.stdout.flush()
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.weights and trainer.global_rank == 0:
+            ck = self._ckpt(trainer)
+            torch.save({"model": pl_module.state_dict(), "optimizer": trainer.optimizers[0].state_dict(),
+                        "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
+                        "global_step": trainer.global_step, "resumed_from": ck.resumed_from if ck else None,
+                        "step_times": self.step_times, "ckpt_hook_s": self.ckpt_hook_s}, self.weights)
+            self._log(trainer, f"done at step {trainer.global_step}; final model + optimizer state -> {self.weights}")
+
+
+class CLI(LightningCLI):
+    def before_fit(self) -> None:
+        kill_at, weights = os.environ.get("CKPT_DEMO_KILL_AT"), os.environ.get("CKPT_DEMO_WEIGHTS")
+        if kill_at or weights:
+            self.trainer.callbacks.append(DemoHooks(int(kill_at) if kill_at else None, weights or None))
+
+
 def main() -> None:
     torch.set_num_threads(1)  # two CPU ranks share this machine's cores
-    LightningCLI(TinyLM, TextData, seed_everything_default=1234)
+    CLI(TinyLM, TextData, seed_everything_default=1234)
 
 
 if __name__ == "__main__":

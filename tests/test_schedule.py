@@ -40,9 +40,9 @@ def test_every_n_steps_schedule(tmp_path):
 
 
 def test_adaptive_policy_on_a_real_loop_checkpoints_repeatedly_and_reports(tmp_path):
-    policy = Adaptive(0.10, profile_steps=5)
+    policy = Adaptive(0.5, profile_steps=5)  # a generous budget: checkpoints come often even on a loaded machine
     with Checkpointer(str(tmp_path), keep_last=2) as ck:
-        saved = train(ck, policy, 150, width=512)
+        saved = train(ck, policy, 200, width=512)
         assert len(saved) >= 3
         intervals = [b - a for a, b in zip(saved, saved[1:])]
         assert all(i >= 1 for i in intervals)
@@ -51,4 +51,4 @@ def test_adaptive_policy_on_a_real_loop_checkpoints_repeatedly_and_reports(tmp_p
         assert f["expected_lost_work_s"] > 0
         assert not math.isnan(policy.persist)  # persist times were observed from the real worker
         restored = ck.load()["policy"]
-        assert restored["k"] >= 1 and restored["budget"] == 0.10
+        assert restored["k"] >= 1 and restored["budget"] == 0.5
