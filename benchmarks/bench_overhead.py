@@ -167,7 +167,7 @@ LABELS = {"none": "no checkpointing", "mc_sync": "ModelCheckpoint (sync) at k", 
 
 
 def label(n: str) -> str:
-    return LABELS.get(n, f"ours, adaptive, budget {n.split('_')[1]}")
+    return LABELS[n] if n in LABELS else f"ours, adaptive, budget {n.split('_', 1)[1]}"
 
 
 def markdown(s: dict[str, Any], slow: dict[str, Any] | None, config: dict[str, Any]) -> str:
@@ -303,6 +303,7 @@ def main() -> None:
     p.add_argument("--slow-steps", type=int, default=500)
     p.add_argument("--slow-factor", type=float, default=3.0,
                    help="after the switch each data-file write sleeps this many adaptive intervals (wall time)")
+    p.add_argument("--slow-max-s", type=float, default=6.0, help="cap on the sleep per write")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
@@ -348,7 +349,7 @@ def main() -> None:
     slow_run = None
     if not a.no_slow:
         it_s = summary["iteration_ms"] / 1e3
-        sleep_s = a.slow_factor * k * it_s
+        sleep_s = min(a.slow_factor * k * it_s, a.slow_max_s)
         at_step = a.slow_steps // 2
         slow_job = Job(**{**job.__dict__, "steps": a.slow_steps})
         slow_run = runner(slow_job, Contender("ours_3.5%_slow", "ours", budget=REFERENCE_BUDGET), rep=0,

@@ -19,7 +19,8 @@ Adaptive (CheckFreq, FAST'21):
    ``k`` with ``C / (k·t) ≤ budget`` that also lets the persist finish before the next snapshot;
 3. *tune*: ``C`` is a moving average over recent intervals, so a slower storage or a larger state
    raises ``k`` within a few checkpoints; ``k`` grows at once but shrinks only when the
-   measured overhead stayed well under budget twice in a row and at most by half (no oscillation).
+   measured overhead stayed well under budget twice in a row and at most by half (no oscillation),
+   and grows at most 4x per checkpoint (one interval disturbed by something else does not explode it).
 """
 
 from __future__ import annotations
@@ -230,6 +231,8 @@ class Adaptive(Policy):
         by_budget = math.ceil(self.cost / (self.budget * t)) if self.cost > 0 else self.min_interval
         by_persist = math.ceil(self.persist / t) + 1 if not math.isnan(self.persist) else 1
         target = min(self.max_steps, max(self.min_interval, by_budget, by_persist))
+        if self.k:  # one noisy interval (a load spike elsewhere) moves k at most 4x per checkpoint
+            target = min(target, 4 * self.k)
         if target >= self.k or not self.k:
             self._low_streak = 0
             return target

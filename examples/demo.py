@@ -18,7 +18,7 @@ and optimizer state of (a) and (c) are bitwise identical (exit status 1 if not),
 state come from a small callback in ``lightning_train.py`` switched on by ``CKPT_DEMO_KILL_AT``
 and ``CKPT_DEMO_WEIGHTS``. Needs nothing but the project's virtualenv; about 1 minute on 2 cores.
 
-    .venv/bin/python examples/demo.py [--steps 60 --kill-at 33] [--keep]
+    .venv/bin/python examples/demo.py [--steps 60 --kill-at 37] [--keep]
     .venv/bin/python examples/demo.py --plain [...]   # the same demo with plain PyTorch DDP
                                                       # (examples/plain_train.py; --help there)
 
@@ -482,7 +482,9 @@ def lightning_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description="ckpt-suite end-to-end demo with Lightning (kill and exact resume); "
                                 "--plain runs the plain-PyTorch one")
     p.add_argument("--steps", type=int, default=60, help="optimizer steps (--trainer.max_steps)")
-    p.add_argument("--kill-at", type=int, default=33, help="SIGKILL the job right after this step in run (b)")
+    # 37: mid-epoch (the epoch is 20 batches), 7 steps after the step-30 checkpoint, so that one has
+    # committed even on a busy machine; see the note printed when a resume lands on an epoch end.
+    p.add_argument("--kill-at", type=int, default=37, help="SIGKILL the job right after this step in run (b)")
     p.add_argument("--workdir", default=None, help="where to put the runs (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the work directory afterwards")
     p.add_argument("--plain", action="store_true", help="run the plain-PyTorch DDP demo instead "
@@ -537,6 +539,13 @@ def lightning_main(argv: list[str]) -> int:
         redone = args.kill_at - fc["resumed_from"]
         print(f"(c) RESUMED FROM STEP {fc['resumed_from']} (crash was right after step {args.kill_at}: "
               f"{redone} step(s) redone), finished at step {fc['global_step']} in {res.wall_s:.1f} s wall")
+        per_epoch = fc.get("batches_per_epoch") or 0
+        epoch_end = bool(per_epoch) and fc["resumed_from"] % per_epoch == 0
+        if epoch_end:
+            print(f"NOTE: step {fc['resumed_from']} is the last batch of an epoch. Resuming from such a checkpoint is "
+                  f"known not to be bitwise: the\n      uninterrupted run draws the next epoch's DataLoader base seed "
+                  f"from the torch RNG after that checkpoint's RNG\n      capture; the resumed run draws it before "
+                  f"the RNG is restored, so the dropout stream is one draw behind.")
 
         banner(f"figures: {os.path.join('<a>', CKPT_DIR, 'figures.jsonl')} of run (a) (each rank writes its own "
                f"slice of every tensor;\n         rank 0 records its own figures)")

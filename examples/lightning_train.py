@@ -169,6 +169,7 @@ class DemoHooks(pl.Callback):
             torch.save({"model": pl_module.state_dict(), "optimizer": trainer.optimizers[0].state_dict(),
                         "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
                         "global_step": trainer.global_step, "resumed_from": ck.resumed_from if ck else None,
+                        "batches_per_epoch": trainer.num_training_batches,
                         "step_times": self.step_times, "ckpt_hook_s": self.ckpt_hook_s}, self.weights)
             self._log(trainer, f"done at step {trainer.global_step}; final model + optimizer state -> {self.weights}")
 
