@@ -100,6 +100,7 @@ class AsyncShardedCheckpoint(Callback):
         self._pending_rng: dict[str, Any] | None = None
         self._pending_data: dict[str, Any] | None = None
         self._samplers: list[ResumableSampler] = []
+        self._epoch_end_draws = 0
         self._handle: Any = None
         self._last_global_step = -1
         self._last_saved_step: int | None = None
@@ -158,19 +159,33 @@ class AsyncShardedCheckpoint(Callback):
         sampler = batch_sampler.sampler
         self._samplers = [sampler]
         self._batch_size = int(getattr(batch_sampler, "batch_size", 1) or 1)
+        self._loader = dataloader
         self._apply_data_position(sampler)
         return dataloader
 
     def _apply_data_position(self, sampler: ResumableSampler) -> None:
         data = self._pending_data
-        if data is not None:
-            sampler.resume(data["epoch"], data["consumed_batches"] * data["batch_size"], data["epoch_rng"])
-            self._pending_data = None
+        if data is None:
+            return
+        self._pending_data = None
+        loader = getattr(self, "_loader", None)
+        if loader is not None and data["consumed_batches"] >= len(loader):
+            # Saved at the last batch of an epoch: Lightning resumes with the next epoch, whose
+            # iterator it creates (one draw from the global RNG when the loader has no generator)
+            # before training starts; in the uninterrupted run that draw came after the saved RNG
+            # state, so it is repeated right after restoring it (see on_train_start).
+            sampler.resume(data["epoch"] + 1, 0, None)
+            self._epoch_end_draws = 1 if getattr(loader, "generator", None) is None else 0
+            return
+        sampler.resume(data["epoch"], data["consumed_batches"] * data["batch_size"], data["epoch_rng"])
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self._pending_rng is not None:  # after the loader's set-up draws, as they were at save time
             set_rng_state(self._pending_rng)
             self._pending_rng = None
+            for _ in range(self._epoch_end_draws):
+                torch.empty((), dtype=torch.int64).random_()  # the new epoch's DataLoader seed draw
+        self._epoch_end_draws = 0
         self._last_global_step = trainer.global_step
         if self.schedule is not None:
             self.schedule.restart_clock()

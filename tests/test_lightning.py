@@ -73,14 +73,19 @@ def test_both_ranks_write_their_files_and_the_manifest_records_them(uninterrupte
     assert "ckpt/stall_ms" in metrics
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_sigkill_mid_epoch_then_auto_resume_is_bitwise_identical(uninterrupted, tmp_path, workers):
+@pytest.mark.parametrize("workers, every, kill_at, expected", [
+    (0, 5, 23, (15, 20)), (2, 5, 23, (15, 20)),
+    (0, 8, 19, (16,)),  # step 16 is the last batch of epoch 0: the resume starts the next epoch
+])
+def test_sigkill_mid_epoch_then_auto_resume_is_bitwise_identical(uninterrupted, tmp_path, workers, every, kill_at,
+                                                                   expected):
     ck = tmp_path / "ck"
-    run(tmp_path, ck, "--workers", str(workers), "--kill-at", "23", "--tag", "killed", expect_rc=None)
+    run(tmp_path, ck, "--workers", str(workers), "--every", str(every), "--kill-at", str(kill_at), "--tag", "killed",
+        expect_rc=None)
     assert not (tmp_path / "final-killed.pt").exists()
     restored = Checkpointer(str(ck)).latest_step()
-    assert restored in (15, 20)
-    run(tmp_path, ck, "--workers", str(workers), "--tag", "resumed")
+    assert restored in expected
+    run(tmp_path, ck, "--workers", str(workers), "--every", str(every), "--tag", "resumed")
     info = json.load(open(tmp_path / "resumed-resumed.json"))
     assert info["resumed_from"] == restored and info["global_step"] == 40
     assert_bitwise(final(uninterrupted[workers], "ref"), final(tmp_path, "resumed"))
@@ -92,7 +97,7 @@ def test_sigkill_mid_epoch_then_auto_resume_is_bitwise_identical(uninterrupted, 
         reference = [i for r in seen(uninterrupted[workers], "ref", rank) if r["epoch"] == 1 for i in r["ids"]]
         assert len(ids) == len(set(ids)) == 128
         assert ids == reference  # the same order as the uninterrupted run
-        assert after[0]["step"] == restored + 1
+        assert seen(tmp_path, "resumed", rank)[0]["step"] == restored + 1
 
 
 def test_sigterm_mid_epoch_commits_a_final_checkpoint_and_resume_continues(tmp_path):
