@@ -148,6 +148,15 @@ def describe_codes(codes: list[int]) -> str:
                      for r, c in enumerate(codes))
 
 
+def show_cli(ls: tuple[str, ...], verify: tuple[str, ...]) -> None:
+    """Print ``python -m ckpt_engine ls`` of ``ls`` and ``verify`` of ``verify``."""
+    banner("python -m ckpt_engine ls / verify")
+    for command, dirs in (("ls", ls), ("verify", verify)):
+        for d in dirs:
+            print(f"$ python -m ckpt_engine {command} {d}")
+            print(indent(ckpt_cli(command, d)))
+
+
 def ckpt_cli(*args: str) -> str:
     out = subprocess.run([sys.executable, "-m", "ckpt_engine", *args], cwd=ROOT, capture_output=True, text=True,
                          env=dict(os.environ, PYTHONPATH=ROOT))
@@ -261,12 +270,7 @@ def plain_main(argv: list[str]) -> int:
         banner("proof: final weights of (a) uninterrupted and (c) killed-and-resumed")
         same = compare(weights_a, weights_c)
 
-        banner("python -m ckpt_engine ls / verify")
-        for d in (dir_a, dir_b):
-            print(f"$ python -m ckpt_engine ls {d}")
-            print(indent(ckpt_cli("ls", d)))
-        print(f"$ python -m ckpt_engine verify {dir_b}")
-        print(indent(ckpt_cli("verify", dir_b)))
+        show_cli(ls=(dir_a, dir_b), verify=(dir_b,))
 
         banner(f"RESULT: {'PASS' if same else 'FAIL'}: killed-and-resumed training "
                f"{'matches' if same else 'DOES NOT match'} the uninterrupted run bit for bit "
@@ -561,13 +565,7 @@ def lightning_main(argv: list[str]) -> int:
         print(f"both at step {fa['global_step']} / {fc['global_step']}; (c) resumed from step {fc['resumed_from']}")
         same = fa["global_step"] == fc["global_step"] and compare_state(final_a, final_c)
 
-        banner("python -m ckpt_engine ls / verify")
-        for d in (ck_a, ck_b):
-            print(f"$ python -m ckpt_engine ls {d}")
-            print(indent(ckpt_cli("ls", d)))
-        for d in (ck_a, ck_b):
-            print(f"$ python -m ckpt_engine verify {d}")
-            print(indent(ckpt_cli("verify", d)))
+        show_cli(ls=(ck_a, ck_b), verify=(ck_a, ck_b))
 
         banner(f"RESULT: {'PASS' if same else 'FAIL'}: Lightning training killed after step {args.kill_at} and "
                f"resumed from step {fc['resumed_from']} {'matches' if same else 'DOES NOT match'} the uninterrupted "
