@@ -30,8 +30,10 @@ Under ``ddp_spawn`` the fit runs in child processes; rank 0 writes its figures t
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import threading
 import math
 import os
 import shutil
@@ -47,6 +49,8 @@ import torch
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
+import ckpt_engine.checkpointer as _ck_module
+import ckpt_engine.persist as _persist_module
 import lightning_ckpt.callback as _cb_module
 from ckpt_engine.storage import Storage
 from lightning_ckpt import AsyncShardedCheckpoint
@@ -57,6 +61,41 @@ warnings.filterwarnings("ignore", module="pytorch_lightning")
 warnings.filterwarnings("ignore", module="lightning_fabric")
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 warnings.filterwarnings("ignore", message=".*AsyncCheckpointIO.*")
+
+
+# ---- where the checkpoint work runs (instrumentation of this process only) -------------------------
+WORK: list[tuple[str, str, float, float]] = []
+"""(what, thread: "main" | "background", wall s, CPU s of that thread) of every checkpoint work item
+since the timer's ``on_train_start``: ours' snapshot copy, persist (hash + write + fsync) and commit;
+``torch.save`` of Lightning's ``TorchCheckpointIO`` (on the training thread, or in AsyncCheckpointIO's)."""
+
+
+def _record(what: str, fn: Any) -> Any:
+    @functools.wraps(fn)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            where = "main" if threading.current_thread() is threading.main_thread() else "background"
+            WORK.append((what, where, time.perf_counter() - wall, time.thread_time() - cpu))
+
+    timed._bench_recorded = True  # type: ignore[attr-defined]
+    return timed
+
+
+def _instrument() -> None:
+    from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    if getattr(_persist_module.write_rank, "_bench_recorded", False):
+        return
+    _persist_module.write_rank = _record("ours persist", _persist_module.write_rank)
+    _persist_module.commit = _record("ours commit", _persist_module.commit)
+    _ck_module.Checkpointer._copy = _record("ours snapshot copy", _ck_module.Checkpointer._copy)
+    TorchCheckpointIO.save_checkpoint = _record("torch.save", TorchCheckpointIO.save_checkpoint)
+
+
+_instrument()
 
 
 # ---- the job --------------------------------------------------------------------------------------
@@ -195,6 +234,7 @@ class Timer(Callback):
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.marks = []
+        WORK.clear()
         self.t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer: "pl.Trainer", *args: Any) -> None:
@@ -209,7 +249,7 @@ class Timer(Callback):
         durable_s = time.perf_counter() - self.t0
         result: dict[str, Any] = {"loop_s": self.loop_s, "durable_s": durable_s, "t0": self.t0,
                                   "marks": self.marks, "global_step": trainer.global_step,
-                                  "save_steps": [], "hook_s": {}}
+                                  "save_steps": [], "hook_s": {}, "work": list(WORK)}
         for cb in trainer.callbacks:
             if isinstance(cb, (TimedModelCheckpoint, TimedAsyncSharded)):
                 result["save_steps"] = list(cb.save_steps)
@@ -284,6 +324,8 @@ class RunResult:
     final_save_ms: float = 0.0
     """Ours: ``on_train_end`` (final save if any, then wait until committed)."""
     slow_writes: int = 0
+    work: list = field(default_factory=list)
+    """:data:`WORK` of rank 0 during the fit."""
     foreign_cores: float = 0.0
     """CPU cores other processes kept busy during the fit, on average (noise indicator)."""
 
@@ -358,7 +400,7 @@ def run(job: Job, c: Contender, workdir: str, rep: int = 0, slow_at_step: Option
     final_ms = sum(res["hook_s"].get("train_end", {}).values()) * 1e3 if res["hook_s"] else 0.0
     result = RunResult(c.name, c.kind, job.devices, job.steps, rep, res["loop_s"], res["durable_s"], res["marks"],
                        res["save_steps"], _stalls(res), figures, final_ms, SLOW["writes"] if slow_at_step else 0,
-                       foreign)
+                       res.get("work", []), foreign)
     shutil.rmtree(workdir, ignore_errors=True)
     return result
 
@@ -462,3 +504,61 @@ class Runner:
             self.reruns += 1
         assert best is not None
         return best
+
+
+# ---- within-run figures (immune to the run-to-run drift of this machine) --------------------------
+def step_times(r: RunResult) -> list[float]:
+    """Wall time of steps 2..N (step j: from the timer's mark of step j-1 to its mark of step j, so
+    it holds the checkpoint work done at the end of step j-1)."""
+    return [b - a for a, b in zip(r.marks, r.marks[1:])]
+
+
+def phases(r: RunResult) -> list[tuple[int, float, float]]:
+    """(step, dt, phase) for steps after the first checkpoint: phase = position in its interval,
+    in (0, 1]; 1/k for the step right after a checkpoint, 1 for the step before the next one."""
+    saves = sorted(r.save_steps)
+    dts = step_times(r)
+    out = []
+    for j in range(2, len(r.marks) + 1):  # step j, dt index j-2
+        prev = max((s for s in saves if s < j), default=None)
+        nxt = min((s for s in saves if s >= j), default=None)
+        if prev is None or nxt is None:
+            continue
+        out.append((j, dts[j - 2], (j - prev) / (nxt - prev)))
+    return out
+
+
+def base_step_s(r: RunResult, tail: float = 0.7) -> float:
+    """This run's clean iteration time: the median step time over the last 30 % of each interval
+    between checkpoints (furthest from the previous checkpoint's stall and background write);
+    every step but the first few for a run without checkpoints."""
+    if not r.save_steps:
+        return median(step_times(r)[5:])
+    late = [dt for _, dt, ph in phases(r) if ph > tail]
+    return median(late) if late else median(step_times(r)[5:])
+
+
+def drift_corrected(r: RunResult, base: RunResult) -> float:
+    """Overhead with each run measured in its own clean iterations: loop ÷ (steps × clean
+    iteration), minus the same figure of the no-checkpoint run (its jitter and start). Not fooled
+    by one run being uniformly faster than another; misses a slowdown that lasts whole intervals."""
+    own = r.loop_s / (r.steps * base_step_s(r))
+    ref = base.loop_s / (base.steps * base_step_s(base))
+    return own - ref
+
+
+def local_costs(r: RunResult, window: int = 12) -> list[float]:
+    """Seconds each in-loop checkpoint cost the training: the excess over the run's clean step
+    time of the ``window`` steps that follow it (its stall, then the steps that ran beside its
+    background write), stopping at the next checkpoint. Not scaled by the interval, so jitter far
+    from any checkpoint is not charged to it."""
+    dts = step_times(r)
+    clean = base_step_s(r)
+    saves = sorted(r.save_steps)
+    out = []
+    for i, s in enumerate(saves):
+        stop = min(s + window, saves[i + 1] if i + 1 < len(saves) else s + window, len(r.marks))
+        seg = [dts[j - 2] for j in range(s + 1, stop + 1) if 0 <= j - 2 < len(dts)]
+        if seg:
+            out.append(sum(seg) - len(seg) * clean)
+    return out
