@@ -450,11 +450,11 @@ def wait_quiet(threshold: float, window: float = 1.0, max_wait: float = 30.0) ->
             return waited, load
 
 
-def warm_up(job: Job, workdir: str, steps: int = 20) -> None:
-    """A short unmeasured fit (kernels, allocator, imports, page cache of the libraries)."""
-    short = Job(**{**asdict(job), "steps": steps})
-    run(short, Contender("warm-up", "none"), workdir)
-    run(short, Contender("warm-up", "ours", every=5), workdir)
+def warm_up(job: Job, workdir: str, steps: int = 100) -> None:
+    """Unmeasured fits first (kernels, allocator, imports, page cache of the libraries): in every
+    early run here the first measured fit after a 20-step warm-up came out 15-50 % slower."""
+    run(Job(**{**asdict(job), "steps": steps}), Contender("warm-up", "none"), workdir)
+    run(Job(**{**asdict(job), "steps": 30}), Contender("warm-up", "ours", every=10), workdir)
 
 
 def median(values: list[float]) -> float:
@@ -547,18 +547,24 @@ def drift_corrected(r: RunResult, base: RunResult) -> float:
     return own - ref
 
 
-def local_costs(r: RunResult, window: int = 12) -> list[float]:
-    """Seconds each in-loop checkpoint cost the training: the excess over the run's clean step
-    time of the ``window`` steps that follow it (its stall, then the steps that ran beside its
-    background write), stopping at the next checkpoint. Not scaled by the interval, so jitter far
-    from any checkpoint is not charged to it."""
+def local_costs(r: RunResult, window: int = 12, before: int = 10) -> list[float]:
+    """Seconds each in-loop checkpoint cost the training: the excess of the ``window`` steps that
+    follow it (its stall, then the steps that ran beside its background write; cut at the next
+    checkpoint) over the clean step time just before it (median of the late-interval steps, phase
+    > 0.7, among the ``before`` steps that precede it; the run's clean step if fewer than 3). Local
+    in time, so neither the run-to-run nor the slower within-run drift of this machine's speed is
+    charged to the checkpoint, and jitter far from any checkpoint is not either."""
     dts = step_times(r)
-    clean = base_step_s(r)
+    clean_run = base_step_s(r)
     saves = sorted(r.save_steps)
+    phase = {j: ph for j, _, ph in phases(r)}
     out = []
     for i, s in enumerate(saves):
+        ref = [dts[j - 2] for j in range(max(6, s - before + 1), s + 1)
+               if 0 <= j - 2 < len(dts) and phase.get(j, 1.0 if i == 0 else 0.0) > 0.7]
+        base = median(ref) if len(ref) >= 3 else clean_run
         stop = min(s + window, saves[i + 1] if i + 1 < len(saves) else s + window, len(r.marks))
         seg = [dts[j - 2] for j in range(s + 1, stop + 1) if 0 <= j - 2 < len(dts)]
         if seg:
-            out.append(sum(seg) - len(seg) * clean)
+            out.append(sum(seg) - len(seg) * base)
     return out

@@ -67,8 +67,8 @@ def contenders(k: int) -> list[Contender]:
 
 def measure(runner: Runner, job: Job, cs: list[Contender], reps: int) -> list[RunResult]:
     results = []
-    for rep in range(reps):
-        order = cs[rep % len(cs):] + cs[:rep % len(cs)]
+    for rep in range(reps):  # the rotation starts at 1: no-checkpointing is not the first fit of the run
+        order = cs[(rep + 1) % len(cs):] + cs[:(rep + 1) % len(cs)]
         for c in order:
             results.append(runner(job, c, rep=rep))
     return results
@@ -223,8 +223,8 @@ def markdown(summaries: list[dict[str, Any]], config: dict[str, Any]) -> str:
         "than their neighbours (clean step time differs by run, not within one), which the wall-time ratio cannot "
         "tell from checkpoint cost; this figure can, but misses a slowdown that lasts whole intervals.",
         "- Cost per checkpoint = (loop − no-checkpoint loop) ÷ checkpoints (wall), or drift-corrected overhead × "
-        "steps × clean step ÷ checkpoints, or local: excess over the run's clean step of the steps that follow each "
-        "checkpoint up to the next (all 10 here): stall plus the slowdown of the steps that run beside a background "
+        "steps × clean step ÷ checkpoints, or local: excess of the steps that follow each checkpoint up to the next "
+        "(all 10 here) over the late-interval steps just before it: stall plus the slowdown of the steps that run beside a background "
         "write.",
         "- Stall per checkpoint: training-thread time inside the checkpoint callback's hooks for that checkpoint "
         "(minus the median of the same hooks at steps without one); for ours it includes Lightning's "

@@ -235,9 +235,9 @@ def markdown(s: dict[str, Any], slow: dict[str, Any] | None, config: dict[str, A
         "distance between them (ours' first comes after 3 warm-up + 10 profiling steps). Expected lost work = "
         "mean interval ÷ 2 × no-checkpoint iteration time.",
         "- Cost per checkpoint: wall = (loop − no-checkpoint loop) ÷ checkpoints; drift-corrected = drift-corrected "
-        "overhead × steps × clean step ÷ checkpoints; local = excess over the run's clean step of the 12 steps that "
-        "follow each checkpoint (its stall and the steps beside its background write), which does not depend on "
-        "the other runs and is what the same-overhead comparison uses: at overhead O over a time T a contender "
+        "overhead × steps × clean step ÷ checkpoints; local = excess of the 12 steps that follow each checkpoint (its "
+        "stall and the steps beside its background write) over the clean steps just before it, which depends on "
+        "neither the other runs nor this machine's drift and is what the same-overhead comparison uses: at overhead O over a time T a contender "
         "takes O × T ÷ its cost per checkpoint, so the peer's count at ours' overhead is ours' overhead × "
         "no-checkpoint loop time ÷ the peer's local cost.",
         "- Peers keep 3 checkpoints (`save_top_k=3` on `step`), as ours (`keep_last=3`); torch.save does not fsync, "
@@ -366,14 +366,14 @@ def main() -> None:
     runner = Runner(workdir, a.budget_s, quiet=a.quiet)
     warm_up(job, workdir)
     none, ref = Contender("none", "none"), ours(REFERENCE_BUDGET)
-    results: list[RunResult] = [runner(job, none, rep=0), runner(job, ref, rep=0)]
+    results: list[RunResult] = [runner(job, ref, rep=0)]  # first: the peers' k comes from it
     k = settled_interval(results[-1])
     print(f"  adaptive 3.5 % applied a mean interval of k = {k} steps", flush=True)
-    rest = [ours(b) for b in BUDGETS if b != REFERENCE_BUDGET] + [Contender("mc_sync", "mc_sync", every=k),
-                                                                  Contender("mc_async", "mc_async", every=k)]
-    for c in rest:
+    others = [ours(b) for b in BUDGETS if b != REFERENCE_BUDGET]
+    peers = [Contender("mc_sync", "mc_sync", every=k), Contender("mc_async", "mc_async", every=k)]
+    for c in [*others, none, *peers]:
         results.append(runner(job, c, rep=0))
-    everyone = [none, ref, *rest]
+    everyone = [ref, *others, none, *peers]
     for rep in range(1, a.reps):
         order = everyone[::-1] if rep % 2 else everyone
         for c in order:
