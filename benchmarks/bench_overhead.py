@@ -136,9 +136,11 @@ def verdicts(s: dict[str, Any]) -> list[str]:
     equiv = ref["dc_overhead"] * t_base / (peers[best]["local_cost_ms"] / 1e3) if ref["dc_overhead"] > 0 else math.nan
     s["more_checkpoints"] = {"peer": best, "ratio": ratio, "peer_local_cost_ms": peers[best]["local_cost_ms"],
                              "ours_local_cost_ms": ref["local_cost_ms"], "peer_equiv_ckpts_dc": equiv}
-    lines.append(f"- checkpoints at the same overhead = the inverse ratio of the cost per checkpoint (local): best peer "
+    lines.append(f"- checkpoints at the same overhead = the inverse ratio of the cost per checkpoint (local): "
+                 f"best peer "
                  f"{label(best)} {peers[best]['local_cost_ms']:.0f} ms, ours (3.5 %) {ref['local_cost_ms']:.0f} ms → "
-                 f"{ratio:.1f} × → {'PASS' if ratio >= MORE_CHECKPOINTS else 'FAIL'} (target ≥ {MORE_CHECKPOINTS:g} ×); "
+                 f"{ratio:.1f} × → {'PASS' if ratio >= MORE_CHECKPOINTS else 'FAIL'} "
+                 f"(target ≥ {MORE_CHECKPOINTS:g} ×); "
                  f"at ours' drift-corrected overhead ({ref['dc_overhead'] * 100:.1f} %) that peer could take "
                  f"{_f(equiv)} checkpoints against ours' {ref['n_ckpt']:.0f}")
     return lines
@@ -192,7 +194,8 @@ def markdown(s: dict[str, Any], slow: dict[str, Any] | None, config: dict[str, A
              f"{config['waited_for_quiet_s']:.0f} s for a quiet machine, {config['reruns']} re-runs.", "",
              "| configuration | loop s | measured overhead | per repetition | drift-corrected | policy's estimate "
              "| checkpoints | mean interval (steps) | expected lost work s | cost per ckpt ms (wall / drift-corr.) "
-             "| local cost per ckpt ms (mean / median) | stall per ckpt ms | background CPU ms per ckpt | clean step ms "
+             "| local cost per ckpt ms (mean / median) | stall per ckpt ms | background CPU ms per ckpt "
+             "| clean step ms "
              "| foreign load (max cores) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for n, r in s["rows"].items():
@@ -215,7 +218,8 @@ def markdown(s: dict[str, Any], slow: dict[str, Any] | None, config: dict[str, A
                   f"| mean interval (steps) | {_f(slow['interval_before'])} | {_f(slow['interval_after'])} |",
                   f"| policy's interval (last logged) | {_f(slow['policy_interval_before'], '{:.0f}')} "
                   f"| {_f(slow['policy_interval_end'], '{:.0f}')} |",
-                  f"| persist ms | {_f(slow['persist_ms_before'], '{:.0f}')} | {_f(slow['persist_ms_after'], '{:.0f}')} |",
+                  f"| persist ms | {_f(slow['persist_ms_before'], '{:.0f}')} "
+                  f"| {_f(slow['persist_ms_after'], '{:.0f}')} |",
                   f"| stall per ckpt ms | {_f(slow['stall_ms_before'])} | {_f(slow['stall_ms_after'])} |",
                   f"| overhead vs the run's clean step ({slow['clean_step_ms']:.1f} ms) "
                   f"| {slow['overhead_before'] * 100:+.1f} % | {slow['overhead_after'] * 100:+.1f} % |", "",
@@ -235,11 +239,11 @@ def markdown(s: dict[str, Any], slow: dict[str, Any] | None, config: dict[str, A
         "distance between them (ours' first comes after 3 warm-up + 10 profiling steps). Expected lost work = "
         "mean interval ÷ 2 × no-checkpoint iteration time.",
         "- Cost per checkpoint: wall = (loop − no-checkpoint loop) ÷ checkpoints; drift-corrected = drift-corrected "
-        "overhead × steps × clean step ÷ checkpoints; local = excess of the 12 steps that follow each checkpoint (its "
-        "stall and the steps beside its background write) over the clean steps just before it, which depends on "
-        "neither the other runs nor this machine's drift and is what the same-overhead comparison uses: at overhead O over a time T a contender "
-        "takes O × T ÷ its cost per checkpoint, so the peer's count at ours' overhead is ours' overhead × "
-        "no-checkpoint loop time ÷ the peer's local cost.",
+        "overhead × steps × clean step ÷ checkpoints; local = excess of the 12 steps that follow each checkpoint "
+        "(its stall and the steps beside its background write) over the clean steps just before it, which depends on "
+        "neither the other runs nor this machine's drift. The same-overhead comparison uses it: at overhead O over "
+        "a time T a contender takes O × T ÷ its cost per checkpoint, so at equal overhead the counts are in the "
+        "inverse ratio of the costs.",
         "- Peers keep 3 checkpoints (`save_top_k=3` on `step`), as ours (`keep_last=3`); torch.save does not fsync, "
         "ours does.",
         "",
@@ -262,12 +266,14 @@ def plot_main(s: dict[str, Any], path: str) -> None:
         ax1.text(i, r["overhead"] * 100, f"{r['overhead'] * 100:+.1f}%", ha="center", va="bottom", fontsize=8)
         for x in r["overhead_per_rep"]:
             ax1.plot(i, x * 100, "k.", ms=4)
-        ax1.plot(i + 0.25, r["dc_overhead"] * 100, "D", color="black", ms=5, label="drift-corrected" if i == 0 else None)
+        ax1.plot(i + 0.25, r["dc_overhead"] * 100, "D", color="black", ms=5,
+                 label="drift-corrected" if i == 0 else None)
         if r["kind"] == "ours":
             b = float(n.split("_")[1].rstrip("%"))
             ax1.plot([i - 0.4, i + 0.4], [b + SLACK * 100] * 2, color="gray", ls="--", lw=1)
         ax2.bar(i, r["n_ckpt"], color=color)
-        ax2.text(i, r["n_ckpt"], f"{r['n_ckpt']:.0f}\nk≈{r['mean_interval']:.0f}", ha="center", va="bottom", fontsize=8)
+        ax2.text(i, r["n_ckpt"], f"{r['n_ckpt']:.0f}\nk≈{r['mean_interval']:.0f}", ha="center", va="bottom",
+                 fontsize=8)
     short = [n.replace("ours_", "adaptive ").replace("mc_sync", "MC sync").replace("mc_async", "MC+AsyncIO")
              for n in names]
     ax1.set_xticks(range(len(names)), short, fontsize=8)
@@ -306,7 +312,7 @@ def plot_slow(r: RunResult, at_step: int, it_s: float, path: str, window: int = 
     twin.plot([t_of[f["step"]] for f in figs], [f["persist_ms"] / 1e3 for f in figs], "s--", color="tab:red", ms=4,
               lw=0.8, label="persist s of that checkpoint (right axis)")
     twin.set_ylabel("persist s")
-    twin.legend(fontsize=7, loc="upper right")
+    twin.legend(fontsize=7, loc="upper center")
     # overhead: windowed wall time against the no-checkpoint iteration time, and the policy's estimate
     xs, ys = [], []
     for i in range(window, len(marks)):
