@@ -104,7 +104,7 @@ class AsyncShardedCheckpoint(Callback):
         self._handle: Any = None
         self._last_global_step = -1
         self._last_saved_step: int | None = None
-        self._reported = 0
+        self._unreported: list[Any] = []  # records of our saves not yet logged (ck.records is bounded)
         self._interval_start = time.perf_counter()
 
     @property
@@ -256,17 +256,18 @@ class AsyncShardedCheckpoint(Callback):
                           "epoch_rng": sampler.epoch_rng if sampler is not None else None}}
         self._handle = self.ck.save(state, trainer.global_step, local, defer=defer)
         self._last_saved_step = trainer.global_step
+        if self.ck.rank == 0 and self.ck.records:
+            self._unreported.append(self.ck.records[-1])
 
     # ---- figures -------------------------------------------------------------------------------
     def _report(self, trainer: "pl.Trainer") -> None:
         """Log the figures of every checkpoint that finished since the last report (rank 0)."""
         if self.ck is None or self.ck.rank != 0:
             return
-        records = list(self.ck.records)
-        done = [r for r in records[self._reported:] if r.finished_at or r.skipped]
+        done = [r for r in self._unreported if r.finished_at or r.skipped]
         if not done:
             return
-        self._reported += len(done)
+        self._unreported = [r for r in self._unreported if not (r.finished_at or r.skipped)]
         figures = self.policy.figures()
         for rec in done:
             row = {"step": rec.step, "stall_ms": rec.stall_s * 1e3, "snapshot_ms": rec.snapshot_s * 1e3,
