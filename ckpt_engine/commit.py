@@ -62,47 +62,54 @@ def _poll_cap(storage: Storage) -> float:
     return 0.01 if storage.local else 0.1
 
 
-def wait_for_ranks(storage: Storage, dirname: str, world_size: int, timeout: float,
-                   poll: float = 0.002) -> None:
+def _poll(storage: Storage, dirname: str, timeout: float, done: Callable[[set[str]], bool],
+          timed_out: Callable[[set[str]], CheckpointError]) -> None:
+    """List ``dirname`` (fresh) with growing pauses until ``done(names)``; ``timed_out`` builds the error."""
+    deadline = time.monotonic() + timeout
+    poll = 0.002
+    while True:
+        names = set(storage.listdir(dirname))
+        if done(names):
+            return
+        if time.monotonic() > deadline:
+            raise timed_out(names)
+        time.sleep(poll)
+        poll = min(poll * 2, _poll_cap(storage))
+
+
+def wait_for_ranks(storage: Storage, dirname: str, world_size: int, timeout: float) -> None:
     """Block until every rank's index file is in ``dirname``.
 
     Raises :class:`Abandoned` or :class:`CheckpointError` when a rank wrote an abort marker, and
     :class:`CommitTimeoutError` naming the missing ranks after ``timeout`` seconds.
     """
     wanted = {index_file(r) for r in range(world_size)}
-    deadline = time.monotonic() + timeout
-    while True:
-        names = set(storage.listdir(dirname))
+
+    def done(names: set[str]) -> bool:
         _check_aborts(storage, dirname, names, world_size)
-        missing = wanted - names
-        if not missing:
-            return
-        if time.monotonic() > deadline:
-            ranks = sorted(int(n[5:10]) for n in missing)
-            raise CommitTimeoutError(
-                f"{storage.describe(dirname)}: ranks {ranks} did not report their files within {timeout:.0f} s; "
-                "is every rank calling save() for the same steps?"
-            )
-        time.sleep(poll)
-        poll = min(poll * 2, _poll_cap(storage))
+        return wanted <= names
+
+    def timed_out(names: set[str]) -> CheckpointError:
+        ranks = sorted(int(n[5:10]) for n in wanted - names)
+        return CommitTimeoutError(f"{storage.describe(dirname)}: ranks {ranks} did not report their files within "
+                                  f"{timeout:.0f} s; is every rank calling save() for the same steps?")
+
+    _poll(storage, dirname, timeout, done, timed_out)
 
 
 def wait_for_commit(storage: Storage, dirname: str, world_size: int, timeout: float) -> None:
     """On a rank other than 0: block until rank 0 committed ``dirname`` (or it was abandoned)."""
-    deadline = time.monotonic() + timeout
-    poll = 0.002
-    while True:
-        names = set(storage.listdir(dirname))
+    def done(names: set[str]) -> bool:
         if MANIFEST_NAME in names:
-            return
+            return True
         try:
             _check_aborts(storage, dirname, names, world_size)
         except Abandoned:
-            return
-        if time.monotonic() > deadline:
-            raise CommitTimeoutError(f"{storage.describe(dirname)}: rank 0 did not commit within {timeout:.0f} s")
-        time.sleep(poll)
-        poll = min(poll * 2, _poll_cap(storage))
+            return True
+        return False
+
+    _poll(storage, dirname, timeout, done, lambda names: CommitTimeoutError(
+        f"{storage.describe(dirname)}: rank 0 did not commit within {timeout:.0f} s"))
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -119,10 +119,3 @@ def make_plan(
             heapq.heappush(heap, (load + metas[i].nbytes, rank))
     return Plan(world_size, threshold, tuple(owner))
 
-
-def iter_split_owners(meta: TensorMeta, world_size: int) -> Iterator[tuple[int, int, int]]:
-    """``(rank, start, stop)`` of every non-empty piece of a split tensor, for readers."""
-    for rank in range(world_size):
-        start, stop = split_range(meta.numel, rank, world_size)
-        if stop > start:
-            yield rank, start, stop

@@ -306,27 +306,28 @@ def _one_of(name: str, value: Any, alias: str, alias_value: Any) -> Any:
 
 
 def _plain_misc(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """Lightning's checkpoint minus weights; hyper-parameters that are not plain values are
-    dropped with a warning (resume does not need them), anything else unstorable is an error."""
+    """Lightning's checkpoint minus weights, with the hyper-parameters that are not plain values
+    dropped with a warning (resume does not need them). Anything else unstorable fails in
+    ``Checkpointer.save`` naming its key, so only the hyper-parameters are checked here."""
     out = {}
     for key, value in checkpoint.items():
-        try:
-            encode(value, key)
-        except UnsupportedValueError as e:
-            if "hyper_parameters" not in key and "hparams" not in key:
-                raise
-            if isinstance(value, dict):
-                kept = {}
-                for k, v in value.items():
-                    try:
-                        encode(v, k)
-                        kept[k] = v
-                    except UnsupportedValueError:
-                        warnings.warn(f"AsyncShardedCheckpoint: hyper-parameter {k!r} is not a plain value and "
-                                      "is not stored (resume does not need it)", stacklevel=3)
-                value = kept
-            else:
-                warnings.warn(f"AsyncShardedCheckpoint: {key} not stored: {e}", stacklevel=3)
-                continue
+        if "hyper_parameters" in key or "hparams" in key:
+            try:
+                encode(value, key)
+            except UnsupportedValueError as e:
+                if not isinstance(value, dict):
+                    warnings.warn(f"AsyncShardedCheckpoint: {key} not stored: {e}", stacklevel=3)
+                    continue
+                value = {k: v for k, v in value.items() if _plain(k, v)}
         out[key] = value
     return out
+
+
+def _plain(key: str, value: Any) -> bool:
+    try:
+        encode(value, key)
+        return True
+    except UnsupportedValueError:
+        warnings.warn(f"AsyncShardedCheckpoint: hyper-parameter {key!r} is not a plain value and is not stored "
+                      "(resume does not need it)", stacklevel=4)
+        return False
