@@ -20,6 +20,9 @@ from .plan import Slice
 
 from .manifest import ALIGN
 
+PAGE = 4096
+"""Host buffers start at a multiple of this (the block alignment direct I/O needs)."""
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -59,8 +62,11 @@ class HostBuffer:
     """A reusable host byte buffer (pinned when the state lives on a GPU), zero-filled once."""
 
     def __init__(self, nbytes: int, pinned: bool) -> None:
-        # zeros: the padding between pieces is written and checksummed, and must not leak old memory
-        self.tensor = torch.zeros(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
+        # zeros: the padding between pieces is written and checksummed, and must not leak old memory.
+        # Page-aligned start, so persist can write it with O_DIRECT (see storage.write_stream).
+        raw = torch.zeros(max(nbytes, 1) + PAGE, dtype=torch.uint8, pin_memory=pinned)
+        skip = -raw.data_ptr() % PAGE
+        self.tensor = raw[skip:skip + max(nbytes, 1)]
         self.pinned = pinned
         self.address = self.tensor.data_ptr()
         self.event: "torch.cuda.Event | None" = None

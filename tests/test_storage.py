@@ -179,3 +179,60 @@ def test_persistent_failure_surfaces_keeps_previous_and_training_goes_on(s3_serv
     proxy.heal()
     strict.close()
     assert Checkpointer(st).latest_step() == 3
+
+
+@pytest.mark.parametrize("tail", [0, 1, 4095])
+def test_direct_io_write_of_an_aligned_buffer_is_exact_and_bypasses_the_page_cache(tmp_path, tail):
+    """Large page-aligned buffers go out with O_DIRECT (the unaligned tail buffered); bytes exact."""
+    import mmap
+    import os
+
+    from ckpt_engine import storage as storage_mod
+
+    n = (2 << 20) + tail
+    buf = mmap.mmap(-1, n)  # mmap memory is page-aligned, like the snapshot's host buffers
+    buf.write(os.urandom(n))
+    st = Storage(str(tmp_path))
+    assert st.direct_io, "this test machine's ext4 supports O_DIRECT"
+    calls = []
+    real = storage_mod._write_direct
+    storage_mod._write_direct = lambda path, view: calls.append(path) or real(path, view)
+    try:
+        assert st.write_stream("f.bin", [memoryview(buf)]) == n
+        assert st.write_stream("small.bin", [b"x" * 100]) == 100            # small: buffered
+        assert st.write_stream("odd.bin", [memoryview(buf)[1:]]) == n - 1   # unaligned start: buffered
+    finally:
+        storage_mod._write_direct = real
+    assert calls == [st.path("f.bin")]
+    assert (tmp_path / "f.bin").read_bytes() == bytes(buf)
+    assert (tmp_path / "odd.bin").read_bytes() == bytes(buf)[1:]
+    assert st.direct_io
+
+
+def test_direct_io_refused_falls_back_to_buffered_writes(tmp_path, monkeypatch):
+    """A filesystem that refuses O_DIRECT (tmpfs says EINVAL) gets ordinary writes, once decided."""
+    import errno
+    import mmap
+    import os
+
+    from ckpt_engine import storage as storage_mod
+
+    real_open = os.open
+
+    def refusing_open(path, flags, *a):
+        if flags & storage_mod._DIRECT_FLAG:
+            raise OSError(errno.EINVAL, "Invalid argument", path)
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(storage_mod.os, "open", refusing_open)
+    buf = mmap.mmap(-1, 3 << 20)
+    buf.write(os.urandom(3 << 20))
+    st = Storage(str(tmp_path))
+    st.write_stream("a.bin", [memoryview(buf)])
+    assert not st.direct_io
+    assert (tmp_path / "a.bin").read_bytes() == bytes(buf)
+
+
+def test_direct_io_can_be_switched_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPT_DIRECT_IO", "0")
+    assert not Storage(str(tmp_path)).direct_io
