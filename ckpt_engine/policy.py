@@ -13,10 +13,13 @@ Adaptive (CheckFreq, FAST'21):
 
 1. *profile*: after a few warm-up iterations, time plain iterations (no checkpoint in flight):
    their median is the baseline iteration time ``t``;
-2. *pick* ``k``: each checkpoint's cost ``C`` is measured as the wall time of its interval minus
-   ``steps × t`` (so it holds the stall *and* the slowdown of iterations that ran beside the
-   persist, which matters when persist and training share cores); the interval is the smallest
-   ``k`` with ``C / (k·t) ≤ budget`` that also lets the persist finish before the next snapshot;
+2. *pick* ``k``: each checkpoint's cost ``C`` is the excess over ``t`` of the iterations that
+   overlapped its work: the one that took the snapshot and every one the persist ran beside (so
+   it holds the stall *and* the slowdown from persist and training sharing cores, and nothing
+   from slowdowns elsewhere on the machine, which a no-checkpoint run would suffer too). ``t`` here
+   is the *mean* clean iteration (outliers above 3x the median dropped), the figure wall time is
+   made of. The interval is the smallest ``k`` with ``C / (k·t) ≤ budget`` that also lets the
+   persist finish before the next snapshot;
 3. *tune*: ``C`` is a moving average over recent intervals, so a slower storage or a larger state
    raises ``k`` within a few checkpoints; ``k`` grows at once but shrinks only when the
    measured overhead stayed well under budget twice in a row and at most by half (no oscillation),
@@ -104,6 +107,14 @@ class _IterationClock:
     def seconds(self) -> float:
         return statistics.median(self.window) if self.window else math.nan
 
+    @property
+    def mean_seconds(self) -> float:
+        """Mean clean iteration, without outliers (> 3x the median: validation, a stray pause)."""
+        if not self.window:
+            return math.nan
+        cap = 3 * statistics.median(self.window)
+        return statistics.fmean(x for x in self.window if x <= cap)
+
 
 class EverySeconds(Policy):
     """A checkpoint about every ``seconds`` of training: converted to a step count from the
@@ -124,7 +135,7 @@ class EverySeconds(Policy):
         """The interval in steps that ``seconds`` is worth now."""
         if not self.clock.ready:
             return 0
-        return max(1, math.floor(self.seconds / self.clock.seconds))
+        return max(1, math.floor(self.seconds / self.clock.mean_seconds))
 
     def first_due(self, step: int) -> int:
         return step + max(self.steps(), 10)
@@ -133,7 +144,7 @@ class EverySeconds(Policy):
         return step + max(1, self.steps() or 10)
 
     def figures(self) -> dict[str, float]:
-        return {"interval_steps": float(self.steps()), "iteration_s": self.clock.seconds}
+        return {"interval_steps": float(self.steps()), "iteration_s": self.clock.mean_seconds}
 
 
 class MaxInterval(Policy):
@@ -192,7 +203,7 @@ class Adaptive(Policy):
         self.cost = math.nan         # moving average of the per-checkpoint cost C (seconds)
         self.persist = math.nan      # moving average of the persist time (seconds)
         self.last_overhead = math.nan
-        self._interval_time = 0.0
+        self._overlapping: list[float] = []  # this interval's iterations beside checkpoint work
         self._interval_steps = 0
         self._low_streak = 0
         self._checkpoints = 0
@@ -200,7 +211,8 @@ class Adaptive(Policy):
     # -- observations --------------------------------------------------------------------------
     def observe_iteration(self, seconds: float, persist_busy: bool, checkpointed: bool) -> None:
         self.clock.add(seconds, clean=not (persist_busy or checkpointed))
-        self._interval_time += seconds
+        if persist_busy or checkpointed:
+            self._overlapping.append(seconds)
         self._interval_steps += 1
 
     def observe_persist(self, seconds: float) -> None:
@@ -213,14 +225,14 @@ class Adaptive(Policy):
         return step + self.clock.warmup + self.profile_steps
 
     def next_due(self, step: int) -> int:
-        t = self.clock.seconds
+        t = self.clock.mean_seconds
         # The interval that ends at the first checkpoint held no checkpoint cost: measure from there.
         if self._checkpoints and self._interval_steps and not math.isnan(t):
-            cost = max(0.0, self._interval_time - self._interval_steps * t)
+            cost = max(0.0, sum(self._overlapping) - len(self._overlapping) * t)
             self.cost = cost if math.isnan(self.cost) else self._avg(self.cost, cost)
             self.last_overhead = cost / (self._interval_steps * t)
         self._checkpoints += 1
-        self._interval_time, self._interval_steps = 0.0, 0
+        self._overlapping, self._interval_steps = [], 0
         if math.isnan(t) or math.isnan(self.cost):
             self.k = self.k or self.profile_steps
             return step + self.k
@@ -249,13 +261,13 @@ class Adaptive(Policy):
 
     # -- reporting and state -------------------------------------------------------------------
     def figures(self) -> dict[str, float]:
-        t = self.clock.seconds
+        t = self.clock.mean_seconds
         return {"interval_steps": float(self.k), "iteration_s": t, "checkpoint_cost_s": self.cost,
                 "measured_overhead": self.last_overhead, "persist_s": self.persist,
                 "expected_lost_work_s": self.k / 2 * t if self.k else math.nan}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"k": self.k, "cost": self.cost, "persist": self.persist, "iteration_s": self.clock.seconds,
+        return {"k": self.k, "cost": self.cost, "persist": self.persist, "iteration_s": self.clock.mean_seconds,
                 "budget": self.budget}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
