@@ -42,6 +42,15 @@ def wrap_process_dataloader(trainer: "pl.Trainer", after: Callable[[Any], Any]) 
     strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]
 
 
+def restores_loader_states(trainer: "pl.Trainer") -> bool:
+    """Whether the fit loop is about to restore saved states of stateful train loaders.
+
+    Lightning saves a ``StatefulDataLoader``'s ``state_dict()`` with its loops and loads it right
+    after the loaders are processed (``FitLoop._load_combined_loader_states``).
+    """
+    return bool(getattr(trainer.fit_loop, "_combined_loader_states_to_load", None))
+
+
 def unsupported_strategy(trainer: "pl.Trainer") -> str | None:
     """The name of a sharded strategy (whose state is not replicated), or ``None``."""
     from pytorch_lightning.strategies import DeepSpeedStrategy, FSDPStrategy

@@ -40,12 +40,14 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 from ckpt_engine import Checkpointer, CheckpointError, LocalComm, TorchDistComm
 from ckpt_engine.config import CheckpointConfig
 from ckpt_engine.errors import UnsupportedValueError
-from ckpt_engine.resumable import ResumableSampler, rng_state, set_rng_state
+from ckpt_engine.resumable import rng_state, set_rng_state
 from ckpt_engine.schedule import Schedule
 from ckpt_engine.values import encode
 
 from . import _trainer_api
+from ._preempt import StopAgreement
 from ._resume import CheckpointIOWrapper, assemble, is_our_checkpoint
+from ._stateful import LoaderSampler, is_stateful_loader
 
 _REPLICATED = ("state_dict", "optimizer_states")
 
@@ -63,7 +65,9 @@ class AsyncShardedCheckpoint(Callback):
         storage_options: fsspec options (leave credentials to fsspec's own configuration).
         resume: ``"auto"`` continues from the newest committed checkpoint under ``path``;
             ``"never"`` starts fresh (``trainer.fit(ckpt_path=...)`` still works).
-        save_on_train_end / save_on_exception / save_on_sigterm: final checkpoints.
+        save_on_train_end / save_on_exception / save_on_sigterm: final checkpoints. On SIGTERM
+            under several ranks all ranks agree on the step within two steps of the signal, commit
+            there and end with Lightning's ``SIGTERMException`` (see ``lightning_ckpt._preempt``).
         pipeline: deferred snapshot (copy during the next forward/backward, waited for just before
             the next optimizer step). Off by default: measured in ``benchmarks/bench_lightning.py``.
         max_inflight, commit_timeout: passed to :class:`~ckpt_engine.Checkpointer`.
@@ -99,13 +103,15 @@ class AsyncShardedCheckpoint(Callback):
         self.resumed_from: int | None = None
         self._pending_rng: dict[str, Any] | None = None
         self._pending_data: dict[str, Any] | None = None
-        self._samplers: list[ResumableSampler] = []
+        self._samplers: list[LoaderSampler] = []
+        self._trainer: Any = None
         self._epoch_end_draws = 0
         self._handle: Any = None
         self._last_global_step = -1
         self._last_saved_step: int | None = None
         self._unreported: list[Any] = []  # records of our saves not yet logged (ck.records is bounded)
         self._interval_start = time.perf_counter()
+        self._stop: StopAgreement | None = None  # SIGTERM under several ranks (see _preempt)
 
     @property
     def state_key(self) -> str:
@@ -125,8 +131,11 @@ class AsyncShardedCheckpoint(Callback):
                                storage_options=dict(self.config.storage_options), max_inflight=self.max_inflight,
                                commit_timeout=self.commit_timeout)
         self.schedule = Schedule(self.policy, self.ck)
+        if self.save_on_sigterm and comm.world_size > 1:
+            self._stop = StopAgreement()
         trainer.strategy.checkpoint_io = CheckpointIOWrapper(trainer.strategy.checkpoint_io, self)
         _trainer_api.wrap_process_dataloader(trainer, self._make_resumable)
+        self._trainer = trainer
         if self.resume == "auto":
             step = comm.broadcast(self.ck.latest_step() if comm.rank == 0 else None)
             if step is not None:
@@ -154,8 +163,8 @@ class AsyncShardedCheckpoint(Callback):
             warnings.warn("AsyncShardedCheckpoint: the train DataLoader has no batch sampler; a mid-epoch "
                           "resume restarts that epoch's data", stacklevel=2)
             return dataloader
-        if not isinstance(batch_sampler.sampler, ResumableSampler):
-            batch_sampler.sampler = ResumableSampler(batch_sampler.sampler)
+        if not isinstance(batch_sampler.sampler, LoaderSampler):
+            batch_sampler.sampler = LoaderSampler(batch_sampler.sampler)
         sampler = batch_sampler.sampler
         self._samplers = [sampler]
         self._batch_size = int(getattr(batch_sampler, "batch_size", 1) or 1)
@@ -163,7 +172,7 @@ class AsyncShardedCheckpoint(Callback):
         self._apply_data_position(sampler)
         return dataloader
 
-    def _apply_data_position(self, sampler: ResumableSampler) -> None:
+    def _apply_data_position(self, sampler: LoaderSampler) -> None:
         data = self._pending_data
         if data is None:
             return
@@ -177,7 +186,10 @@ class AsyncShardedCheckpoint(Callback):
             sampler.resume(data["epoch"] + 1, 0, None)
             self._epoch_end_draws = 1 if getattr(loader, "generator", None) is None else 0
             return
-        sampler.resume(data["epoch"], data["consumed_batches"] * data["batch_size"], data["epoch_rng"])
+        if self._trainer is not None and is_stateful_loader(loader) and _trainer_api.restores_loader_states(self._trainer):
+            return  # Lightning restores the loader's own state next, which resumes the sampler (see _stateful)
+        sampler.resume(data["epoch"], data["consumed_batches"] * data["batch_size"], data["epoch_rng"],
+                       data.get("epoch_generators"))
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self._pending_rng is not None:  # after the loader's set-up draws, as they were at save time
@@ -189,6 +201,8 @@ class AsyncShardedCheckpoint(Callback):
         self._last_global_step = trainer.global_step
         if self.schedule is not None:
             self.schedule.restart_clock()
+        if self._stop is not None:
+            self._stop.install()  # after Lightning registered its own handlers for the run
 
     # ---- saving -----------------------------------------------------------------------------
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
@@ -207,16 +221,27 @@ class AsyncShardedCheckpoint(Callback):
             self._save(trainer, pl_module, batch_idx + 1, defer=self.pipeline)
             self.schedule.saved(trainer.global_step)
         self._report(trainer)
+        if self._stop is not None and self._stop.poll():  # a rank got SIGTERM: all agree here
+            self._stop.uninstall()
+            if self._last_saved_step != trainer.global_step:
+                self._save(trainer, pl_module, batch_idx + 1, defer=False)
+            self.ck.wait()
+            self._report(trainer)
+            raise SIGTERMException()  # end the way Lightning ends a run on SIGTERM
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.ck is None:
             return
+        if self._stop is not None:
+            self._stop.close()
         if self.save_on_train_end and self._last_saved_step != trainer.global_step:
             self._save(trainer, pl_module, self._consumed(trainer), defer=False)
         self.ck.wait()
         self._report(trainer)
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        if self._stop is not None:
+            self._stop.uninstall()
         if self.ck is None or self._last_saved_step == trainer.global_step:
             return
         sigterm = isinstance(exception, SIGTERMException)
@@ -225,12 +250,15 @@ class AsyncShardedCheckpoint(Callback):
                 warnings.warn("AsyncShardedCheckpoint: no final checkpoint on an exception under several ranks "
                               "(the other ranks may not reach it, so it could never commit)", stacklevel=2)
                 return
-            # Lightning raises SIGTERMException on every rank at the same step (it broadcasts the signal).
+            # One rank: Lightning raised SIGTERMException (several ranks: see on_train_batch_end).
             self._save(trainer, pl_module, self._consumed(trainer), defer=False)
             self.ck.wait()
             self._report(trainer)
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage == "fit" and self._stop is not None:
+            self._stop.uninstall()
+            self._stop = None
         if stage == "fit" and self.ck is not None:
             try:
                 self.ck.close()
@@ -253,7 +281,8 @@ class AsyncShardedCheckpoint(Callback):
                  "rng": rng_state(),
                  "data": {"epoch": trainer.current_epoch, "consumed_batches": consumed,
                           "batch_size": getattr(self, "_batch_size", 1),
-                          "epoch_rng": sampler.epoch_rng if sampler is not None else None}}
+                          "epoch_rng": sampler.epoch_rng if sampler is not None else None,
+                          "epoch_generators": sampler.epoch_generators if sampler is not None else []}}
         self._handle = self.ck.save(state, trainer.global_step, local, defer=defer)
         self._last_saved_step = trainer.global_step
         if self.ck.rank == 0 and self.ck.records:

@@ -1,7 +1,8 @@
 """A small real Lightning job for the integration tests (CPU, 1 or 2 ranks with ddp_spawn).
 
 Usage: ``python lightning_worker.py OUT CKPT [--devices 2] [--workers 0] [--max-steps 40]
-[--every 5] [--kill-at K] [--sigterm-at K] [--tag NAME] [--ckpt-path PATH] [--model-checkpoint]``.
+[--every 5] [--kill-at K] [--sigterm-at K] [--tag NAME] [--ckpt-path PATH] [--model-checkpoint]
+[--stateful]``.
 Every rank appends the sample ids of each batch to ``OUT/seen-<tag>-rank<r>.jsonl``; rank 0 writes
 the final weights and optimizer state to ``OUT/final-<tag>.pt`` and the resumed step to
 ``OUT/resumed-<tag>.json``.
@@ -63,15 +64,21 @@ class Net(pl.LightningModule):
         if self.global_rank == 0 and step == self.args.kill_at:
             os.killpg(os.getpgid(0), signal.SIGKILL)  # the whole job, mid-epoch
         if self.global_rank == 0 and step == self.args.sigterm_at:
-            os.kill(os.getpid(), signal.SIGTERM)  # what a scheduler sends; Lightning tells the other ranks
+            if self.trainer.world_size > 1:
+                os.killpg(os.getpgid(0), signal.SIGTERM)  # what a scheduler sends: every process of the job
+            else:
+                os.kill(os.getpid(), signal.SIGTERM)
 
     def configure_optimizers(self):
         opt = torch.optim.Adam(self.parameters(), lr=0.01)
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.7)}
 
     def train_dataloader(self):
-        return DataLoader(Numbered(), batch_size=8, shuffle=True, num_workers=self.args.workers,
-                          persistent_workers=self.args.workers > 0)
+        loader = DataLoader
+        if self.args.stateful:
+            from torchdata.stateful_dataloader import StatefulDataLoader as loader
+        return loader(Numbered(), batch_size=8, shuffle=True, num_workers=self.args.workers,
+                      persistent_workers=self.args.workers > 0)
 
     def on_train_start(self):
         if self.args.dump_restored and self.global_rank == 0:
@@ -107,6 +114,7 @@ def main() -> None:
     p.add_argument("--model-checkpoint", action="store_true")
     p.add_argument("--strategy", default="ddp_spawn")
     p.add_argument("--dump-restored", action="store_true")
+    p.add_argument("--stateful", action="store_true", help="torchdata's StatefulDataLoader")
     args = p.parse_args()
     pl.seed_everything(1234, workers=True)
     cb = AsyncShardedCheckpoint(dirpath=args.ckpt, every_n_train_steps=args.every, keep_last=3, resume=args.resume)

@@ -100,6 +100,51 @@ def test_sigkill_mid_epoch_then_auto_resume_is_bitwise_identical(uninterrupted, 
         assert seen(tmp_path, "resumed", rank)[0]["step"] == restored + 1
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stateful_dataloader_under_ddp_resumes_bitwise_and_exactly_once(tmp_path, workers):
+    """torchdata's StatefulDataLoader: Lightning restores its state; under DDP its sampler is wrapped
+    in DistributedSamplerWrapper and its RandomSampler draws from a generator of its own."""
+    flags = ["--stateful", "--workers", str(workers)]
+    ref = tmp_path / "ref"
+    run(ref, ref / "ck", *flags, "--tag", "ref")
+    ck = tmp_path / "ck"
+    run(tmp_path, ck, *flags, "--kill-at", "23", "--tag", "killed", expect_rc=None)
+    restored = Checkpointer(str(ck)).latest_step()
+    assert restored in (15, 20)
+    run(tmp_path, ck, *flags, "--tag", "resumed")
+    assert json.load(open(tmp_path / "resumed-resumed.json"))["resumed_from"] == restored
+    assert_bitwise(final(ref, "ref"), final(tmp_path, "resumed"))
+    for rank in (0, 1):
+        before = [r for r in seen(tmp_path, "killed", rank) if r["epoch"] == 1 and r["step"] <= restored]
+        after = [r for r in seen(tmp_path, "resumed", rank) if r["epoch"] == 1]
+        ids = [i for r in before + after for i in r["ids"]]
+        assert ids == [i for r in seen(ref, "ref", rank) if r["epoch"] == 1 for i in r["ids"]]
+        assert len(set(ids)) == 128
+
+
+def test_a_sampler_with_its_own_generator_resumes_its_permutation():
+    """DataLoader(generator=g): the permutation comes from g, which advances every epoch."""
+    from torch.utils.data import DataLoader
+
+    from lightning_ckpt._stateful import LoaderSampler
+
+    def loader():
+        dl = DataLoader(range(40), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3))
+        dl.batch_sampler.sampler = LoaderSampler(dl.batch_sampler.sampler)
+        return dl
+
+    dl = loader()
+    epochs = [[int(i) for b in dl for i in b] for _ in range(2)]   # the uninterrupted run
+    first = loader()
+    list(first)                                                     # epoch 0
+    it = iter(first)
+    consumed = [int(i) for _ in range(3) for i in next(it)]         # 3 batches of epoch 1, then a crash
+    s = first.batch_sampler.sampler
+    resumed = loader()                                              # a new process: g from its seed
+    resumed.batch_sampler.sampler.resume(1, len(consumed), s.epoch_rng, s.epoch_generators)
+    assert consumed + [int(i) for b in resumed for i in b] == epochs[1]
+
+
 def test_sigterm_mid_epoch_commits_a_final_checkpoint_and_resume_continues(tmp_path):
     """One rank: see the README for why Lightning's multi-rank SIGTERM path cannot carry it."""
     ref = tmp_path / "ref"
@@ -113,6 +158,52 @@ def test_sigterm_mid_epoch_commits_a_final_checkpoint_and_resume_continues(tmp_p
     run(tmp_path, ck, "--devices", "1", "--tag", "after")
     assert json.load(open(tmp_path / "resumed-after.json"))["resumed_from"] == 22
     assert_bitwise(final(ref, "ref"), final(tmp_path, "after"))
+
+
+def _wait_for_session_to_end(sid: int, timeout: float = 120.0) -> None:
+    """Wait until no live process of session ``sid`` is left (zombies do not count)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":  # fields: state, ppid, pgrp, session
+                alive.append(pid)
+        if not alive:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"processes of session {sid} still running after {timeout} s")
+
+
+def test_sigterm_to_a_two_rank_ddp_spawn_job_commits_a_final_checkpoint_and_resume_continues(uninterrupted, tmp_path):
+    """SIGTERM to every process of the job (as schedulers send it) at step 22: the launcher dies at
+    once, the two ranks agree on a step within two steps, commit there and stop."""
+    ck = tmp_path / "ck"
+    out = tmp_path
+    out.mkdir(exist_ok=True)
+    proc = subprocess.Popen([sys.executable, WORKER, str(out), str(ck), "--sigterm-at", "22", "--tag", "term"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    log = proc.communicate(timeout=300)[0]
+    _wait_for_session_to_end(proc.pid)
+    assert not (tmp_path / "final-term.pt").exists(), log[-3000:]  # training stopped at the signal
+    steps = Checkpointer(str(ck)).steps()
+    assert steps[-1] in (23, 24), (steps, log[-3000:])  # not the last periodic one (20)
+    entry = committed(Checkpointer(str(ck)).storage)[-1]
+    assert entry.manifest.world_size == 2
+    run(tmp_path, ck, "--tag", "after")
+    assert json.load(open(tmp_path / "resumed-after.json"))["resumed_from"] == steps[-1]
+    assert_bitwise(final(uninterrupted[0], "ref"), final(tmp_path, "after"))
+    for rank in (0, 1):  # the interrupted epoch (steps 17..32): every sample once, in the reference order
+        before = [r for r in seen(tmp_path, "term", rank) if r["epoch"] == 1 and r["step"] <= steps[-1]]
+        after = [r for r in seen(tmp_path, "after", rank) if r["epoch"] == 1]
+        ids = [i for r in before + after for i in r["ids"]]
+        assert ids == [i for r in seen(uninterrupted[0], "ref", rank) if r["epoch"] == 1 for i in r["ids"]]
 
 
 def test_resume_on_one_rank_from_a_two_rank_checkpoint(uninterrupted, tmp_path):
