@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import xxhash
@@ -23,6 +23,10 @@ from .manifest import (MANIFEST_NAME, IndexEntry, Manifest, RankIndex, TensorEnt
                        data_file, extents, index_file)
 from .storage import Reader, Storage
 from .values import decode, parse_dtype
+
+
+Progress = Callable[[int], None]
+"""Called with the payload bytes of each piece once it is read and verified (from reader threads)."""
 
 
 @dataclass(frozen=True)
@@ -69,16 +73,16 @@ def tensor_name(t: TensorEntry, i: int) -> str:
     return f"'{t.name}'" if t.name else f"#{i}"
 
 
-def read_state(storage: Storage, ck: Opened, threads: int = 4) -> object:
+def read_state(storage: Storage, ck: Opened, threads: int = 4, progress: Progress | None = None) -> object:
     """The full replicated state of ``ck`` as CPU tensors and plain values."""
     tensors = [_empty(t) for t in ck.manifest.tensors]
     jobs = [(idx.rank, e) for idx in ck.indexes for e in idx.entries if not e.local]
     names = [tensor_name(t, i) for i, t in enumerate(ck.manifest.tensors)]
-    _read_entries(storage, ck, jobs, tensors, names, threads)
+    _read_entries(storage, ck, jobs, tensors, names, threads, progress)
     return decode(ck.manifest.state, tensors.__getitem__)
 
 
-def read_local(storage: Storage, ck: Opened, rank: int) -> object:
+def read_local(storage: Storage, ck: Opened, rank: int, progress: Progress | None = None) -> object:
     """What writer ``rank`` saved as its ``local`` state."""
     idx = ck.indexes[rank]
     metas = idx.local_tensors
@@ -92,15 +96,39 @@ def read_local(storage: Storage, ck: Opened, rank: int) -> object:
     if sum(covered) != len(metas):
         raise FormatError(f"{storage.describe(f'{ck.dirname}/{index_file(rank)}')}: local tensors missing")
     names = [f"local {tensor_name(t, i)}" for i, t in enumerate(metas)]
-    _read_entries(storage, ck, jobs, tensors, names, threads=2)
+    _read_entries(storage, ck, jobs, tensors, names, 2, progress)
     return decode(idx.local, tensors.__getitem__)
 
 
-def verify(storage: Storage, ck: Opened, threads: int = 4) -> None:
+def verify(storage: Storage, ck: Opened, threads: int = 4, progress: Progress | None = None) -> None:
     """Read every byte of ``ck`` (state and every rank's local) and check every checksum."""
-    read_state(storage, ck, threads)
+    read_state(storage, ck, threads, progress)
     for rank in range(ck.manifest.world_size):
-        read_local(storage, ck, rank)
+        read_local(storage, ck, rank, progress)
+
+
+def tensor_reader(storage: Storage, ck: Opened, threads: int = 4,
+                  progress: Progress | None = None) -> Callable[[int], torch.Tensor]:
+    """A function that reads replicated tensor ``i`` of the table alone, verified.
+
+    For tools that go tensor by tensor (``ckpt diff``): memory stays bounded by the largest
+    tensor instead of the whole state. Entries are grouped once, so reading every tensor this
+    way costs about what :func:`read_state` does.
+    """
+    jobs: list[list[tuple[int, IndexEntry]]] = [[] for _ in ck.manifest.tensors]
+    for idx in ck.indexes:
+        for e in idx.entries:
+            if not e.local:
+                jobs[e.tensor].append((idx.rank, e))
+    ends = _extents_by_rank(ck)
+
+    def read(i: int) -> torch.Tensor:
+        meta = ck.manifest.tensors[i]
+        out = {i: _empty(meta)}
+        _read_entries(storage, ck, jobs[i], out, {i: tensor_name(meta, i)}, threads, progress, ends)
+        return out[i]
+
+    return read
 
 
 def _numel(t: TensorEntry) -> int:
@@ -114,11 +142,17 @@ def _empty(t: TensorEntry) -> torch.Tensor:
     return torch.empty(t.shape, dtype=parse_dtype(t.dtype))
 
 
+def _extents_by_rank(ck: Opened) -> dict[int, dict[IndexEntry, int]]:
+    return {idx.rank: dict(zip(idx.entries, extents(idx.entries, idx.data_bytes))) for idx in ck.indexes}
+
+
 def _read_entries(storage: Storage, ck: Opened, jobs: Sequence[tuple[int, IndexEntry]],
-                  tensors: Sequence[torch.Tensor], names: Sequence[str], threads: int) -> None:
+                  tensors: Sequence[torch.Tensor] | Mapping[int, torch.Tensor],
+                  names: Sequence[str] | Mapping[int, str], threads: int, progress: Progress | None = None,
+                  ends: dict[int, dict[IndexEntry, int]] | None = None) -> None:
     """Read and verify every entry (and its padding), in up to ``threads`` groups of about equal bytes."""
     dirname = ck.dirname
-    ends = {idx.rank: dict(zip(idx.entries, extents(idx.entries, idx.data_bytes))) for idx in ck.indexes}
+    ends = _extents_by_rank(ck) if ends is None else ends
     ordered = sorted(jobs, key=lambda j: (j[0], j[1].offset))
     workers = max(1, min(threads, len(ordered), os.cpu_count() or 1))
     total = sum(e.nbytes for _, e in ordered) or 1
@@ -147,6 +181,8 @@ def _read_entries(storage: Storage, ck: Opened, jobs: Sequence[tuple[int, IndexE
                     raise CorruptionError(
                         f"{storage.describe(f'{dirname}/{data_file(rank)}')}: checksum mismatch in tensor "
                         f"{names[e.tensor]} (elements {e.start}:{e.stop} at byte {e.offset})")
+                if progress is not None:
+                    progress(e.nbytes)
         finally:
             for r in readers.values():
                 r.close()

@@ -1,0 +1,162 @@
+"""``ckpt inspect``: what one checkpoint holds, from its manifest and index files alone.
+
+No data file is read: tensor dtypes, shapes and placement come from the tensor tables, plain
+values from the typed-JSON trees (both already verified by :func:`restore.open_checkpoint`).
+Keys are the flat keys of :mod:`ckpt_engine.tree`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from .manifest import TensorEntry
+from .restore import Opened
+from .table import human, iso, render
+from .tree import TensorRef, flatten, is_tensor, refs_tree, short_repr, type_name
+from .values import encode
+
+
+@dataclass(frozen=True)
+class TensorRow:
+    """One tensor of a tree: ``index`` into its table (-1: a small NumPy array stored inline)."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    placement: str
+    index: int
+    tied_to: str | None = None
+    numpy: bool = False
+
+
+@dataclass(frozen=True)
+class ValueRow:
+    """One plain (non-tensor) value: its type, a shortened ``repr`` and its exact typed JSON."""
+
+    key: str
+    type: str
+    text: str
+    value: Any
+
+
+@dataclass(frozen=True)
+class RankRow:
+    """What one writer rank holds: its file's bytes and its own ``local`` tree."""
+
+    rank: int
+    data_bytes: int
+    state_bytes: int
+    local_bytes: int
+    tensors: tuple[TensorRow, ...]
+    values: tuple[ValueRow, ...]
+    stats: dict
+
+
+@dataclass(frozen=True)
+class Contents:
+    """A checkpoint's replicated tree and every rank's local tree, described."""
+
+    dirname: str
+    step: int
+    world_size: int
+    created_at: float
+    total_bytes: int
+    tensors: tuple[TensorRow, ...]
+    values: tuple[ValueRow, ...]
+    ranks: tuple[RankRow, ...]
+
+
+def _placement(t: TensorEntry, world: int) -> str:
+    return f"split over {world} ranks" if t.owner == -1 else f"rank {t.owner}"
+
+
+def _rows(tree: Any, table: Sequence[TensorEntry], placement: Any, width: int) -> tuple[tuple[TensorRow, ...],
+                                                                                        tuple[ValueRow, ...]]:
+    """Tensor and value rows of a typed-JSON tree whose tensors index ``table``."""
+    tensors: list[TensorRow] = []
+    values: list[ValueRow] = []
+    first: dict[int, str] = {}
+    for key, leaf in flatten(refs_tree(tree)).items():
+        if isinstance(leaf, TensorRef):
+            t = table[leaf.index]
+            tensors.append(TensorRow(key, t.dtype, t.shape, t.nbytes, placement(t), leaf.index,
+                                     first.get(leaf.index), leaf.as_numpy))
+            first.setdefault(leaf.index, key)
+        elif is_tensor(leaf):  # an inline NumPy array ($ndarray), stored in the JSON itself
+            a: np.ndarray = leaf  # type: ignore[assignment]
+            tensors.append(TensorRow(key, a.dtype.name, tuple(a.shape), a.nbytes, "inline", -1, None, True))
+        else:
+            values.append(ValueRow(key, type_name(leaf), short_repr(leaf, width), encode(leaf, key).tree))
+    return tuple(tensors), tuple(values)
+
+
+def describe(ck: Opened, width: int = 80) -> Contents:
+    """Describe ``ck``; ``width`` bounds the shortened value texts."""
+    m = ck.manifest
+    tensors, values = _rows(m.state, m.tensors, lambda t: _placement(t, m.world_size), width)
+    ranks = []
+    for idx in ck.indexes:
+        lt, lv = _rows(idx.local, idx.local_tensors, lambda t: "local", width)
+        state_bytes = sum(e.nbytes for e in idx.entries if not e.local)
+        local_bytes = sum(e.nbytes for e in idx.entries if e.local)
+        ranks.append(RankRow(idx.rank, idx.data_bytes, state_bytes, local_bytes, lt, lv, dict(idx.stats)))
+    return Contents(ck.dirname, m.step, m.world_size, m.created_at, m.total_bytes, tensors, values, tuple(ranks))
+
+
+def _tensor_json(t: TensorRow) -> dict:
+    return {"key": t.key, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes, "placement": t.placement,
+            "index": t.index, "tied_to": t.tied_to, "numpy": t.numpy}
+
+
+def _value_json(v: ValueRow) -> dict:
+    return {"key": v.key, "type": v.type, "repr": v.text, "value": v.value}
+
+
+def to_json(c: Contents) -> dict:
+    """The ``--json`` document of ``ckpt inspect`` (see docs/CLI.md)."""
+    return {
+        "dir": c.dirname, "step": c.step, "world_size": c.world_size, "time": iso(c.created_at),
+        "created_at": c.created_at, "total_bytes": c.total_bytes,
+        "state": {"tensors": [_tensor_json(t) for t in c.tensors], "values": [_value_json(v) for v in c.values],
+                  "bytes": sum(t.nbytes for t in c.tensors if t.tied_to is None)},
+        "ranks": [{"rank": r.rank, "data_bytes": r.data_bytes, "state_bytes": r.state_bytes,
+                   "local_bytes": r.local_bytes, "stats": r.stats,
+                   "local": {"tensors": [_tensor_json(t) for t in r.tensors],
+                             "values": [_value_json(v) for v in r.values]}} for r in c.ranks],
+    }
+
+
+def _tensor_lines(tensors: Sequence[TensorRow], indent: str) -> list[str]:
+    rows = [(t.key, t.dtype + (" (numpy)" if t.numpy else ""), list(t.shape),
+             "-" if t.tied_to else human(t.nbytes), f"tied to {t.tied_to}" if t.tied_to else t.placement)
+            for t in tensors]
+    return render(("key", "dtype", "shape", "bytes", "placement"), rows, right=(3,), indent=indent)
+
+
+def _value_lines(values: Sequence[ValueRow], indent: str) -> list[str]:
+    return render(("key", "type", "value"), [(v.key, v.type, v.text) for v in values], indent=indent)
+
+
+def render_text(c: Contents, detail_ranks: Sequence[int]) -> str:
+    """The human-readable report; ranks in ``detail_ranks`` get their local tensors and values listed."""
+    unique = sum(t.nbytes for t in c.tensors if t.tied_to is None)
+    lines = [f"step {c.step}  {c.dirname}  {c.world_size} rank(s)  {human(c.total_bytes)} on storage  "
+             f"committed {iso(c.created_at)}", "",
+             f"replicated state: {len(c.tensors)} tensors ({human(unique)}), {len(c.values)} other values"]
+    if c.tensors:
+        lines += _tensor_lines(c.tensors, "  ")
+    if c.values:
+        lines += ["", *_value_lines(c.values, "  ")]
+    for r in c.ranks:
+        lines += ["", f"rank {r.rank}: {human(r.data_bytes)} file (state slices {human(r.state_bytes)}, "
+                      f"local {human(r.local_bytes)}); local: {len(r.tensors)} tensors, {len(r.values)} values"]
+        if r.rank in detail_ranks:
+            if r.tensors:
+                lines += _tensor_lines(r.tensors, "  ")
+            if r.values:
+                lines += _value_lines(r.values, "  ")
+    return "\n".join(lines)

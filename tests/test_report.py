@@ -1,0 +1,99 @@
+"""benchmarks/report.py renders tables and plots from benchmark JSON into the README between its
+markers, leaving the hand-written text alone (synthetic JSON: no benchmark is run)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def report():
+    spec = importlib.util.spec_from_file_location("bench_report", os.path.join(HERE, "..", "benchmarks", "report.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is created
+    spec.loader.exec_module(module)
+    return module
+
+
+def save_row(world, metric, unit, ours, limit, peer, passed):
+    return {"world": world, "metric": metric, "unit": unit, "ours": ours, "limit": limit, "limit_name": "memcpy",
+            "peer": peer, "peer_name": "torch.save" if peer else "-", "target": "≤ 1.10 × limit", "passed": passed,
+            "ours_vs_limit": ours / limit, "ours_vs_peer": ours / peer if peer else None}
+
+
+def lightning_row(label, overhead):
+    return {"label": label, "overhead": overhead, "dc_overhead": overhead / 2, "stall_ms": 5.0, "n_ckpt": 10.0}
+
+
+SYNTHETIC = {
+    "save": {"config": {"size_mib": 64, "worlds": [1], "cpu_count": 2, "torch": "2.x"},
+             "rows": [save_row("1", "stall, steady", "ms", 11.0, 10.0, 20.0, True),
+                      save_row("1", "persist throughput", "GB/s", 1.0, 2.0, None, False)]},
+    "s3": {"size_mib": 32,
+           "seconds": {"raw s3fs upload": [2.0], "ours to s3": [1.0], "raw local write+fsync": [0.5],
+                       "ours to local disk": [0.25]},
+           "gb_per_s": {"raw s3fs upload": 0.5, "ours to s3": 1.0, "raw local write+fsync": 2.0,
+                        "ours to local disk": 4.0}},
+    "lightning": {"config": {"state_mib": 60.0, "every": 10},
+                  "summaries": [{"devices": 1, "steps": 100, "iteration_ms": 20.0, "baseline_spread": 0.1,
+                                 "rows": {"none": lightning_row("no checkpointing", 0.0),
+                                          "mc_sync": lightning_row("ModelCheckpoint (sync torch.save)", 0.5),
+                                          "ours": lightning_row("ours, pipeline=False", 0.1)}}]},
+    "overhead": {"config": {"steps": 400},
+                 "summary": {"iteration_ms": 30.0, "k": 37,
+                             "rows": {"none": {"overhead": 0.0, "dc_overhead": 0.0, "n_ckpt": 0.0,
+                                               "mean_interval": float("nan"), "stall_ms": float("nan")},
+                                      "ours_3.5%": {"overhead": 0.03, "dc_overhead": 0.04, "n_ckpt": 9.0,
+                                                    "mean_interval": 30.0, "stall_ms": 10.0},
+                                      "mc_sync": {"overhead": 0.08, "dc_overhead": 0.07, "n_ckpt": 10.0,
+                                                  "mean_interval": 37.0, "stall_ms": 160.0}},
+                             "more_checkpoints": {"peer": "mc_sync", "ratio": 2.0}},
+                 "slowdown": {"slow_at_step": 350, "effective_mb_per_s": 28.0, "interval_before": 58.0,
+                              "interval_after": 246.0, "overhead_before": 0.13, "overhead_after": 0.19}},
+}
+
+
+def test_render_between_markers_keeps_hand_written_text(report, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    for name, data in SYNTHETIC.items():
+        (out / f"bench_{name}.json").write_text(json.dumps(data))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Benchmarks\n\nHand-written analysis.\n\n{report.BEGIN}\nold figures\n{report.END}\n\nTail.\n")
+    args = ["--from-json", "--out", str(out), "--readme", str(readme), "--plots", str(tmp_path / "plots")]
+    assert report.main(args) == 0
+    text = readme.read_text()
+    assert text.startswith("# Benchmarks\n\nHand-written analysis.\n") and text.endswith("\n\nTail.\n")
+    assert "old figures" not in text and text.count(report.BEGIN) == 1
+    assert "| 1 | stall, steady | ms | 11 | memcpy: 10 | 1.1 | torch.save: 20 | 0.55 | ≤ 1.10 × limit | PASS |" in text
+    assert "| ours to s3 | 1 | 1 | 2 |" in text and "| ModelCheckpoint (sync torch.save) | +50.0 % |" in text
+    assert "| ours_3.5% | +3.0 % | +4.0 % | 9.0 | 30.0 | 10 |" in text and "2.00 × (target ≥ 3 ×)" in text
+    for name in ("save", "s3", "lightning", "overhead"):
+        assert (tmp_path / "plots" / f"report_{name}.png").stat().st_size > 1000
+        assert f"](plots/report_{name}.png)" in text
+    assert report.main(args) == 0 and readme.read_text() == text  # idempotent
+
+
+def test_missing_markers_append_and_broken_json_is_reported(report, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "bench_s3.json").write_text(json.dumps(SYNTHETIC["s3"]))
+    (out / "bench_save.json").write_text(json.dumps({"config": {}}))
+    readme = tmp_path / "README.md"
+    readme.write_text("# Benchmarks\n\nNotes.\n")
+    assert report.main(["--from-json", "--out", str(out), "--readme", str(readme),
+                        "--plots", str(tmp_path / "p")]) == 0
+    text = readme.read_text()
+    assert text.startswith("# Benchmarks\n\nNotes.\n\n" + report.BEGIN) and text.rstrip().endswith(report.END)
+    assert "not rendered: bench_save.json" in text and "| ours to s3 |" in text
+    assert "bench_save.json: cannot render" in capsys.readouterr().err
+    assert report.main(["--from-json", "--out", str(tmp_path / "empty"), "--readme", str(readme)]) == 2
+    with pytest.raises(SystemExit):
+        report.main(["--only", "nope", "--from-json"])
