@@ -1,4 +1,24 @@
-"""Horovod front end for ckpt-suite.
+"""Horovod front end for ckpt-suite: a few lines in an existing Horovod script.
 
-Placeholder: the Horovod front end arrives in a later release.
+* :class:`HorovodCheckpointer` — ``restore()`` before the loop, ``after_step()`` after every
+  optimizer step, ``close()`` at the end; rank-sliced asynchronous checkpoints, exact resume.
+* :class:`HorovodComm` — the core's communicator over Horovod's object collectives.
+* :class:`DurableTorchState` — ``hvd.elastic.TorchState`` whose ``commit()`` also persists.
+
+Horovod itself is imported when one of these is used, so this package imports without it.
 """
+
+from typing import Any
+
+from .comm import HorovodComm
+from .hook import HorovodCheckpointer
+
+__all__ = ["HorovodCheckpointer", "HorovodComm", "DurableTorchState"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DurableTorchState":  # subclasses horovod's TorchState: import horovod only now
+        from .elastic import DurableTorchState
+
+        return DurableTorchState
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

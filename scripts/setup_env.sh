@@ -64,6 +64,13 @@ EOF
     fi
 fi
 
+# Horovod (the horovod_ckpt front end and its tests) has no wheel that builds
+# against this torch: scripts/install_horovod.sh builds one (about five minutes
+# on a fresh machine), caches it under ~/.cache/ckpt-suite and installs it. It
+# is idempotent and returns in seconds when horovod.torch already imports, so
+# it runs every time (a venv refreshed by hand is repaired too).
+VENV=$VENV bash scripts/install_horovod.sh
+
 # Sanity checks, run every time (cheap).
 "$PY" -m pip --disable-pip-version-check check
 torch_version=$("$PY" -c "import torch; assert '+cpu' in torch.__version__ or not torch.cuda.is_available(), torch.__version__; print(torch.__version__)")

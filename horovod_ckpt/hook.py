@@ -1,0 +1,285 @@
+"""``HorovodCheckpointer``: two-phase, rank-sliced checkpoints for an existing Horovod script.
+
+Order of calls, on every rank, from the training thread::
+
+    hvd.init(); ... model, optimizer = hvd.DistributedOptimizer(...), sampler, loader ...
+    ck = HorovodCheckpointer(path, model=model, optimizer=optimizer, sampler=sampler, every_n_steps=50)
+    start_step = ck.restore()     # 0 when nothing is committed; else every rank holds the state
+    for epoch in range(ck.epoch, epochs):
+        sampler.set_epoch(epoch)
+        for batch in loader:
+            ...; optimizer.step()
+            ck.after_step()       # collective-free except once per checkpoint (rank 0 decides)
+    ck.close()                    # final checkpoint, then waits for pending persists
+
+Every rank snapshots and writes its own slices (no rank-0 bottleneck); see ``_state`` for what is
+replicated and what is per rank. The sampler is made resumable in place
+(:func:`ckpt_engine.resumable.make_resumable`): the DataLoader keeps using the same object, and
+after ``restore()`` its next iteration yields exactly the unseen rest of the interrupted epoch,
+re-split across the ranks when their number changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import yaml
+
+from ckpt_engine import Checkpointer, CheckpointError
+from ckpt_engine.comm import Comm
+from ckpt_engine.config import CheckpointConfig
+from ckpt_engine.figures import figure_row, write_figure_row
+from ckpt_engine.resumable import make_resumable, rng_state, set_rng_state
+from ckpt_engine.schedule import Schedule
+
+from ._preempt import PreemptionWatch
+from ._state import Tracked
+from .comm import HorovodComm, import_horovod
+
+_UNSET: Any = object()
+DEFAULT_KEEP_LAST = 3
+
+
+class HorovodCheckpointer:
+    """Asynchronous, rank-sliced checkpoints of a Horovod job to any fsspec path, with exact resume.
+
+    Args:
+        path: checkpoint root (local path or fsspec URL such as ``s3://bucket/run``).
+        model, optimizer, scheduler: what to checkpoint (``hvd.DistributedOptimizer`` included).
+        sampler: the train sampler (typically a ``DistributedSampler``); made resumable in place.
+        batch_size: per-rank batch size; optional (learned from the DataLoader's pulls otherwise,
+            see :meth:`ckpt_engine.resumable.InPlaceResumable.note_step`).
+        config: a YAML file (or mapping, or ``CheckpointConfig``) of the core's flags; keyword
+            flags given here win over it.
+        every_n_steps / every_seconds / overhead_budget / max_interval / keep_last / levels /
+            storage_options: the core's flags (``ckpt_engine.config``); ``None`` means "not given"
+            (the YAML's value, or the core's default). ``keep_last`` defaults to 3 (``None``: keep all).
+        extra: more objects with ``state_dict()``/``load_state_dict()``, replicated (e.g. an AMP
+            scaler); ``register()`` adds more, also per rank.
+        save_on_sigterm: on SIGTERM, a final checkpoint at the current step (every rank agrees
+            on the step), then the signal is raised again under the previous handler.
+        final_checkpoint: ``close()`` saves the last step when it is not saved yet.
+        on_figures: called on rank 0 with each checkpoint's figures (also in ``figures.jsonl``).
+        max_inflight, commit_timeout: passed to :class:`~ckpt_engine.Checkpointer`.
+        comm: the communicator (default :class:`~horovod_ckpt.comm.HorovodComm`; tests inject one).
+    """
+
+    def __init__(self, path: str | None = None, *, model: Any, optimizer: Any = None, sampler: Any = None,
+                 scheduler: Any = None, batch_size: int | None = None, config: Any = None,
+                 every_n_steps: int | None = None, every_seconds: float | None = None,
+                 overhead_budget: float | None = None, max_interval: float | None = None,
+                 keep_last: int | None = _UNSET, levels: list[Any] | None = None,
+                 storage_options: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None,
+                 save_on_sigterm: bool = True, final_checkpoint: bool = True,
+                 on_figures: Callable[[dict[str, Any]], None] | None = None, max_inflight: int = 1,
+                 commit_timeout: float = 600.0, comm: Comm | None = None) -> None:
+        flags = {"path": path, "every_n_steps": every_n_steps, "every_seconds": every_seconds,
+                 "overhead_budget": overhead_budget, "max_interval": max_interval, "keep_last": keep_last,
+                 "levels": levels, "storage_options": storage_options}
+        self.config = resolve_config(config, given_flags(flags))
+        self.policy = self.config.policy()
+        self.tracked = Tracked(model, optimizer, scheduler, dict(extra or {}))
+        self.sampler = make_resumable(sampler, batch_size) if sampler is not None else None
+        self.final_checkpoint, self.on_figures = final_checkpoint, on_figures
+        self.comm: Comm = comm if comm is not None else HorovodComm()
+        self.ck = make_checkpointer(self.config, self.comm, max_inflight=max_inflight, commit_timeout=commit_timeout)
+        self.schedule = Schedule(self.policy, self.ck)
+        hvd = import_horovod() if save_on_sigterm and self.comm.world_size > 1 else None
+        self._preempt = PreemptionWatch(hvd, self.comm.world_size, "ckpt.sigterm", enabled=save_on_sigterm)
+        self.step = 0
+        self.epoch = 0
+        """After :meth:`restore`: the epoch to run next (the interrupted one, or the next when
+        the checkpoint ended an epoch). Then it follows the sampler's epochs."""
+        self.samples_in_epoch = 0
+        """After :meth:`restore`: samples of that epoch all ranks together had already consumed."""
+        self.batch_in_epoch = 0
+        """After :meth:`restore`: batches of that epoch each rank had already consumed (exact on
+        the same number of ranks; with another number, the completed batches of the new split)."""
+        self.resumed_from: int | None = None
+        self._last_saved: int | None = None
+        self._unreported: list[Any] = []
+        self._closed = False
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    def register(self, name: str, obj: Any, per_rank: bool = False) -> None:
+        """Checkpoint ``obj`` too (``state_dict()``/``load_state_dict()``), replicated or per rank."""
+        self.tracked.register(name, obj, per_rank)
+
+    # ---- restore ------------------------------------------------------------------------------
+    def restore(self, step: int | None = None) -> int:
+        """Load the newest committed checkpoint (or ``step``) into the tracked objects, on every rank.
+
+        Returns the restored step, or 0 (and changes nothing) when nothing is committed. Also puts
+        back this rank's RNG states and the sampler's position. Call it after the initial
+        ``hvd.broadcast_parameters`` / ``broadcast_optimizer_state`` and before the loop.
+        """
+        self._check_open()
+        if step is None:
+            step = self.comm.broadcast(self.ck.latest_step() if self.rank == 0 else None)
+            if step is None:
+                return 0
+        state = self.ck.load(step)
+        own = self.ck.load_local()
+        mine = own if own is not None else self.ck.load_local(rank=0)
+        self.tracked.apply(state["objects"], mine["objects"])
+        self.policy.load_state_dict(state.get("policy") or {})
+        self.step = self.resumed_from = self._last_saved = int(state["step"])
+        rng = own["rng"] if own is not None else None
+        if rng is not None:
+            set_rng_state(rng)
+        self._resume_data(mine.get("data"), rng)
+        self.schedule.restart_clock()
+        return self.step
+
+    def _resume_data(self, pos: dict[str, Any] | None, rng: dict[str, Any] | None) -> None:
+        if pos is None or self.sampler is None:
+            return
+        # Between restore() and the resumed iteration the DataLoader draws its own seed from the
+        # global RNG (at iter()); the uninterrupted run had no such draw mid-epoch, so the
+        # restored RNG is put back once more when the iteration starts.
+        on_start = (lambda: set_rng_state(rng)) if rng is not None else None
+        self.epoch, done = self.sampler.resume_at(pos, on_start)
+        self.samples_in_epoch = done if pos["mode"] == "global" else done * self.world_size
+        bs = pos.get("batch_size") or 0
+        self.batch_in_epoch = self.samples_in_epoch // (self.world_size * bs) if bs else 0
+
+    # ---- saving -------------------------------------------------------------------------------
+    def after_step(self) -> bool:
+        """Call after every optimizer step, on every rank. Returns whether a checkpoint was taken.
+
+        The policy decides on rank 0 once per checkpoint; the step of the next one is broadcast,
+        so all ranks save at the same steps. On an agreed SIGTERM: a final checkpoint, then exit.
+        """
+        self._check_open()
+        self.step += 1
+        if self.sampler is not None:
+            self.sampler.note_step()
+            self.epoch = self.sampler._ckpt_epoch
+        preempted = self._preempt.agreed()
+        due = self.schedule.should_save(self.step)
+        if due or preempted:
+            self._save()
+            self.schedule.saved(self.step)
+        self._report()
+        if preempted:
+            self.ck.wait()
+            self._report()
+            self._preempt.reraise()
+        return due or preempted
+
+    def save(self) -> None:
+        """Checkpoint the current step now (every rank, at the same step)."""
+        self._check_open()
+        if self._last_saved != self.step:
+            self._save()
+
+    def wait(self) -> None:
+        """Block until every pending checkpoint is committed (re-raises a background failure)."""
+        self._check_open()
+        self.ck.wait()
+        self._report()
+
+    def _save(self) -> None:
+        replicated, per_rank = self.tracked.capture()
+        state = {"objects": replicated, "step": self.step, "policy": self.policy.state_dict()}
+        local = {"objects": per_rank, "rng": rng_state(),
+                 "data": self.sampler.data_position() if self.sampler is not None else None}
+        self.ck.save(state, self.step, local)
+        self._last_saved = self.step
+        if self.rank == 0 and self.ck.records:
+            self._unreported.append(self.ck.records[-1])
+
+    # ---- figures ------------------------------------------------------------------------------
+    def _report(self) -> None:
+        done = [r for r in self._unreported if r.finished_at or r.skipped]
+        if not done:
+            return
+        self._unreported = [r for r in self._unreported if not (r.finished_at or r.skipped)]
+        figures = self.policy.figures()
+        for rec in done:
+            row = figure_row(rec, figures)
+            write_figure_row(self.ck.storage, row)
+            if self.on_figures is not None:
+                self.on_figures(row)
+
+    @property
+    def records(self) -> list[Any]:
+        """This rank's figures of recent saves (``SaveRecord``: stall, snapshot, persist...)."""
+        return list(self.ck.records)
+
+    # ---- shutdown -----------------------------------------------------------------------------
+    def close(self, final: bool | None = None) -> None:
+        """Take the final checkpoint (``final``, default ``final_checkpoint``) when the last step
+        is not saved yet, wait for every pending persist, and stop. Every rank; idempotent."""
+        if self._closed:
+            return
+        try:
+            if (self.final_checkpoint if final is None else final) and self.step not in (self._last_saved, 0):
+                self._save()
+            self._preempt.finish()
+            self.ck.close()
+            self._report()
+        finally:
+            self._closed = True
+            self._preempt.uninstall()
+
+    def __enter__(self) -> "HorovodCheckpointer":
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        # After an exception the ranks may not be at the same step: no final checkpoint then.
+        self.close(final=None if exc_type is None else False)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("this HorovodCheckpointer is closed")
+
+
+def make_checkpointer(config: CheckpointConfig, comm: Comm, **kwargs: Any) -> Checkpointer:
+    """The engine's checkpointer for ``config`` (``levels`` included where the core has them)."""
+    from_config = getattr(Checkpointer, "from_config", None)
+    if from_config is not None:
+        return from_config(config, comm=comm, **kwargs)
+    return Checkpointer(config.location, comm=comm, keep_last=config.keep_last,
+                        storage_options=dict(config.storage_options), **kwargs)
+
+
+def given_flags(flags: dict[str, Any]) -> dict[str, Any]:
+    """The flags a caller actually gave: ``None`` is "not given", except ``keep_last=None``
+    (keep every checkpoint)."""
+    return {k: v for k, v in flags.items() if v is not _UNSET and (v is not None or k == "keep_last")}
+
+
+def resolve_config(config: Any, given: dict[str, Any]) -> CheckpointConfig:
+    """The core's configuration from ``config`` (YAML path, mapping or ``CheckpointConfig``) with
+    the keyword flags in ``given`` on top; ``keep_last`` defaults to 3 when neither sets it (set
+    before validation, so that it is also the default of every level)."""
+    if isinstance(config, CheckpointConfig):
+        return dataclasses.replace(config, **given) if given else config
+    default = {"keep_last": DEFAULT_KEEP_LAST}
+    if isinstance(config, Mapping):
+        values = {**config, **given}
+        return CheckpointConfig.from_dict({**default, **values} if "keep_last" not in values else values)
+    if config is not None:
+        mentioned = set(given) | _yaml_keys(str(config))
+        return CheckpointConfig.from_yaml(str(config), **given, **({} if "keep_last" in mentioned else default))
+    return CheckpointConfig(**{**default, **given})
+
+
+def _yaml_keys(file: str) -> set[str]:
+    """The top-level keys of a YAML mapping; empty when it cannot be read (``from_yaml`` then
+    reports why)."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            values = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return set()
+    return set(values) if isinstance(values, dict) else set()

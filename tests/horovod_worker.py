@@ -1,0 +1,104 @@
+"""Rank processes for tests/test_horovod.py, started under ``horovodrun``.
+
+``restore``: build the example's model, optimizer and sampler on however many ranks there are,
+``restore()`` a checkpoint written by another number of ranks, and dump what each rank holds:
+its state and the indices its sampler yields for the rest of the interrupted epoch.
+
+``elastic``: an ``hvd.elastic.run`` job with :class:`~horovod_ckpt.DurableTorchState`; every
+batch is committed (and so checkpointed). It dumps its weights when ``train`` first starts (after
+the durable restore and the sync) and at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import horovod.torch as hvd
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+import horovod_train  # noqa: E402  (the example: same model, data and optimizer)
+
+from horovod_ckpt import HorovodCheckpointer  # noqa: E402
+
+
+def restore(args: argparse.Namespace) -> None:
+    ex = horovod_train.parse_args(["--ckpt-dir", args.ckpt_dir])
+    sampler, _, model, optimizer, scheduler = horovod_train.build(ex)
+    ck = HorovodCheckpointer(args.ckpt_dir, model=model, optimizer=optimizer, sampler=sampler,
+                             scheduler=scheduler, final_checkpoint=False)
+    step = ck.restore()
+    sampler.set_epoch(ck.epoch)
+    rest = list(sampler)
+    ck.close()
+    torch.save({"step": step, "epoch": ck.epoch, "samples_in_epoch": ck.samples_in_epoch, "rest": rest,
+                "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "world": hvd.size()},
+               os.path.join(args.out, f"restore-rank{hvd.rank()}-of{hvd.size()}.pt"))
+
+
+def elastic(args: argparse.Namespace) -> None:
+    from horovod_ckpt import DurableTorchState
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3 * hvd.size())
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    state = DurableTorchState(args.ckpt_dir, model=model, optimizer=optimizer, epoch=0, batch=0)
+    started = []
+
+    @hvd.elastic.run
+    def train(state: DurableTorchState) -> None:
+        if not started:
+            started.append(True)
+            print(json.dumps({"start": state.restored_step, "epoch": state.epoch, "batch": state.batch,
+                              "rank": hvd.rank(), "size": hvd.size()}), flush=True)
+            _dump(model, optimizer, os.path.join(args.out, f"start-rank{hvd.rank()}.pt"))
+        while state.epoch < args.epochs:
+            while state.batch < args.batches:
+                g = torch.Generator().manual_seed(1000 * state.epoch + 10 * state.batch + hvd.rank())
+                x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+                optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+                state.batch += 1
+                state.commit()
+                time.sleep(args.step_delay)
+            state.epoch, state.batch = state.epoch + 1, 0
+            state.commit()
+
+    train(state)
+    state.close()
+    _dump(model, optimizer, os.path.join(args.out, f"final-rank{hvd.rank()}.pt"))
+    print(json.dumps({"done": state.durable_step, "rank": hvd.rank()}), flush=True)
+
+
+def _dump(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["restore", "elastic"])
+    p.add_argument("--ckpt-dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batches", type=int, default=4)
+    p.add_argument("--step-delay", type=float, default=0.0)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    hvd.init()
+    os.makedirs(args.out, exist_ok=True)
+    restore(args) if args.mode == "restore" else elastic(args)
+
+
+if __name__ == "__main__":
+    main()

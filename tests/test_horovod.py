@@ -1,0 +1,438 @@
+"""The Horovod front end: the in-place resumable sampler (in process), then real ``horovodrun``
+jobs (gloo, CPU ranks on this machine).
+
+The example script (``examples/horovod_train.py``) is the job: 128 samples, 2 ranks x 8 per batch,
+so 8 steps per epoch and 32 steps in 4 epochs. Each rank logs the sample ids of every step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_engine import Checkpointer
+from ckpt_engine.config import ConfigError
+from ckpt_engine.resumable import InPlaceResumable, make_resumable
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from helpers import assert_same
+
+try:
+    import horovod.torch  # noqa: F401
+
+    HAVE_HOROVOD = True
+except ImportError:
+    HAVE_HOROVOD = False
+
+needs_horovod = pytest.mark.skipif(not HAVE_HOROVOD,
+                                   reason="horovod is not installed (bash scripts/install_horovod.sh)")
+job = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "horovod_train.py"
+WORKER = ROOT / "tests" / "horovod_worker.py"
+HOROVODRUN = Path(sys.executable).parent / "horovodrun"
+STEPS_PER_EPOCH, EPOCHS, SAMPLES = 8, 4, 128
+
+
+# ---- launching and killing jobs -------------------------------------------------------------------
+
+def launch(np: int, script: Path, *args: str, elastic_dir: Path | None = None) -> subprocess.Popen:
+    """``horovodrun -np N`` in a new session; its output goes to a file next to nothing else."""
+    cmd = [str(HOROVODRUN), "-np", str(np)]
+    if elastic_dir is not None:
+        discover = elastic_dir / "discover.sh"
+        discover.write_text(f"#!/bin/sh\necho localhost:{np}\n")
+        discover.chmod(0o755)
+        # one host: without --network-interface, elastic waits for a second host to compare NICs
+        cmd += ["--min-np", "1", "--max-np", str(np), "--host-discovery-script", str(discover),
+                "--network-interface", "lo"]
+    else:
+        cmd += ["-H", f"localhost:{np}", "--gloo"]
+    cmd += [sys.executable, str(script), *args]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=ROOT, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 150, expect_rc: int | None = 0) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_job(proc)
+        out, _ = proc.communicate()
+        pytest.fail(f"job did not finish in {timeout} s:\n{out[-4000:]}")
+    if expect_rc is not None:
+        assert proc.returncode == expect_rc, out[-4000:]
+    return out
+
+
+def run(np: int, script: Path, *args: str, **kw) -> str:
+    return finish(launch(np, script, *args, elastic_dir=kw.pop("elastic_dir", None)), **kw)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (horovodrun puts each rank in its own session, so its process
+    group does not reach them): walk /proc's parent links."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every descendant, each by pid (collected before any dies, so
+    reparenting cannot hide one), and the process groups they lead."""
+    pids = [proc.pid, *descendants(proc.pid)]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=30)
+    for pid in pids:  # nothing of the job may survive to write a late file
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{pid}") and _state(pid) not in ("Z", "X") and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "X"
+
+
+def rank_pid(proc: subprocess.Popen, rank: int) -> int:
+    for pid in descendants(proc.pid):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if f"HOROVOD_RANK={rank}".encode() in env and b"python" in cmd and b"/bin/sh" not in cmd:
+            return pid
+    raise AssertionError(f"no process of rank {rank}")
+
+
+def wait_until(cond, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if proc.poll() is not None:
+            pytest.fail(f"job ended before the condition held:\n{proc.communicate()[0][-4000:]}")
+        if time.monotonic() > deadline:
+            kill_job(proc)
+            pytest.fail("condition not reached in time")
+        time.sleep(0.05)
+
+
+# ---- reading what the jobs left ---------------------------------------------------------------------
+
+def steps_logged(log_dir: Path, rank: int = 0) -> dict[int, dict]:
+    """step -> {epoch, ids} of one rank; a later line for the same step (a resumed run redoing
+    a step the killed run had done) replaces the earlier one; a torn last line is ignored."""
+    out: dict[int, dict] = {}
+    path = log_dir / f"rank-{rank}.jsonl"
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        out[row["step"]] = row
+    return out
+
+
+def committed_steps(ck_dir: Path) -> list[int]:
+    return sorted(int(p.parent.name.split("-")[1]) for p in ck_dir.glob("step-*/manifest.json"))
+
+
+def read_checkpoint(ck_dir: Path, step: int | None = None) -> tuple[dict, object]:
+    """The replicated state and the manifest, read in this (single) process."""
+    with Checkpointer(str(ck_dir)) as ck:
+        return ck.load(step), ck.loaded_manifest
+
+
+def load_final(out_dir: Path, rank: int) -> dict:
+    return torch.load(out_dir / f"final-rank{rank}.pt", weights_only=False)
+
+
+# ---- the sampler, resumable in place ------------------------------------------------------------
+
+def _epoch(sampler, steps: int | None = None, bs: int = 4, workers: int = 0) -> list[int]:
+    """Iterate a DataLoader over the sampler as a training loop does, noting each step."""
+    seen: list[int] = []
+    loader = DataLoader(list(range(1000)), batch_size=bs, sampler=sampler, drop_last=True, num_workers=workers)
+    for i, batch in enumerate(loader):
+        if steps is not None and i == steps:
+            break  # the loader has already taken the next batch's indices: they are not consumed
+        seen += batch.tolist()
+        sampler.note_step()
+    return seen
+
+
+def test_make_resumable_changes_the_samplers_behaviour_not_its_identity():
+    data = list(range(96))
+    sampler = DistributedSampler(data, num_replicas=2, rank=1, seed=3)
+    loader = DataLoader(data, batch_size=4, sampler=sampler)
+    assert make_resumable(sampler) is sampler and make_resumable(sampler) is sampler
+    assert loader.sampler is sampler and isinstance(sampler, (DistributedSampler, InPlaceResumable))
+    assert type(sampler).__name__ == "ResumableDistributedSampler" and len(sampler) == 48
+    plain = DistributedSampler(data, num_replicas=2, rank=1, seed=3)
+    for epoch in (0, 1):
+        sampler.set_epoch(epoch)
+        plain.set_epoch(epoch)
+        assert [int(i) for b in loader for i in b] == list(plain)
+    copied = pickle.loads(pickle.dumps(sampler))  # the swapped class is rebuilt, not imported
+    assert type(copied) is type(sampler) and list(copied) == list(sampler)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_the_rest_of_an_interrupted_epoch_is_re_split_across_any_number_of_ranks(world, workers):
+    data = list(range(96))
+    seen, positions = [], []
+    for rank in (0, 1):  # 2 ranks, 5 steps of 4 into epoch 1
+        s = make_resumable(DistributedSampler(data, num_replicas=2, rank=rank, seed=7))
+        s.set_epoch(1)
+        seen += _epoch(s, steps=5, workers=workers)
+        positions.append(s.data_position())
+    assert positions[0] == positions[1] and positions[0]["done"] == 40 and positions[0]["batch_size"] == 4
+    rest = []
+    for rank in range(world):
+        s = make_resumable(DistributedSampler(data, num_replicas=world, rank=rank, seed=7))
+        assert s.resume_at(positions[0]) == (1, 40)
+        s.set_epoch(1)
+        mine = list(s)
+        if world == 2:  # the same ranks: exactly the uninterrupted order
+            plain = DistributedSampler(data, num_replicas=2, rank=rank, seed=7)
+            plain.set_epoch(1)
+            assert mine == list(plain)[20:]
+        rest += mine
+    # each unseen sample once, plus the padding a DistributedSampler adds to make the shares equal
+    pad = -(96 - 40) % world
+    assert set(seen + rest) == set(data) and len(seen) + len(rest) == 96 + pad
+
+
+def test_an_epoch_that_ended_resumes_at_the_next_one():
+    data = list(range(96))
+    s = make_resumable(DistributedSampler(data, num_replicas=2, rank=0, seed=7))
+    s.set_epoch(2)
+    _epoch(s)
+    pos = s.data_position()
+    assert pos["complete"] and pos["done"] == 96
+    fresh = make_resumable(DistributedSampler(data, num_replicas=2, rank=0, seed=7))
+    assert fresh.resume_at(pos) == (3, 0) and fresh.epoch == 3
+
+
+def test_any_other_sampler_skips_what_this_rank_consumed_and_replays_its_seed_draw():
+    data = list(range(60))
+    torch.manual_seed(11)
+    uninterrupted = _epoch(make_resumable(RandomSampler(data)))  # draws its seed from the global RNG
+    torch.manual_seed(11)
+    s = make_resumable(RandomSampler(data))
+    assert _epoch(s, steps=4) == uninterrupted[:16]
+    pos = s.data_position()
+    assert (pos["mode"], pos["done"], pos["complete"]) == ("rank", 16, False)
+    torch.manual_seed(999)  # another process, another RNG state
+    r = make_resumable(RandomSampler(data))
+    started = []
+    assert r.resume_at(pos, on_start=lambda: started.append(True)) == (0, 16)
+    before = torch.get_rng_state()
+    assert list(r) == uninterrupted[16:] and started == [True]
+    assert torch.equal(torch.get_rng_state(), before)  # the replayed draw left the caller's RNG alone
+
+
+# ---- jobs under horovodrun ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The example, 2 ranks, 4 epochs, a checkpoint every 5 steps, never interrupted."""
+    d = tmp_path_factory.mktemp("hvd-ref")
+    (d / "log").mkdir()
+    out = run(2, EXAMPLE, "--ckpt-dir", str(d / "ck"), "--every", "5", "--sample-log", str(d / "log"),
+              "--out", str(d / "out"))
+    assert "fresh start" in out and f"done at step {STEPS_PER_EPOCH * EPOCHS}" in out, out
+    return d
+
+
+@needs_horovod
+@job
+def test_both_ranks_write_their_slices_and_the_manifest_records_them(uninterrupted):
+    ck_dir = uninterrupted / "ck"
+    assert committed_steps(ck_dir) == [25, 30, 32]  # keep_last=3 (the default); 32: close()'s final one
+    state, manifest = read_checkpoint(ck_dir)
+    assert manifest.world_size == 2 and manifest.step == 32
+    assert [r.rank for r in manifest.ranks] == [0, 1]
+    step_dir = next(ck_dir.glob("step-000000000032-*"))
+    for r in manifest.ranks:
+        assert (step_dir / f"rank-{r.rank:05d}.bin").stat().st_size == r.data_bytes > 0
+        index = json.loads((step_dir / f"rank-{r.rank:05d}.index.json").read_text())
+        assert index["rank"] == r.rank and index["entries"]
+        assert any(e[0] == 0 for e in index["entries"]), f"rank {r.rank} holds slices of the replicated state"
+    assert any(t.owner == -1 for t in manifest.tensors), "large tensors are split across both ranks"
+    final = load_final(uninterrupted / "out", 0)
+    params = {k: v for k, v in final["model"].items() if "running" not in k and "num_batches" not in k}
+    assert_same(state["objects"]["model"], params)
+    figures = [json.loads(line) for line in (ck_dir / "figures.jsonl").read_text().splitlines()]
+    assert [f["step"] for f in figures] == [5, 10, 15, 20, 25, 30, 32]
+    assert all(f["committed"] and f["stall_ms"] > 0 for f in figures)
+
+
+@needs_horovod
+@job
+def test_sigkill_of_the_whole_job_then_horovodrun_again_is_bitwise_exact(uninterrupted, tmp_path):
+    (tmp_path / "log").mkdir()
+    args = ["--ckpt-dir", str(tmp_path / "ck"), "--every", "5", "--sample-log", str(tmp_path / "log"),
+            "--out", str(tmp_path / "out")]
+    job = launch(2, EXAMPLE, *args, "--step-delay", "0.1")
+    # Mid-epoch 2 (steps 17..24), after the checkpoints of steps 15 and 20 had the time to commit.
+    wait_until(lambda: max(steps_logged(tmp_path / "log"), default=0) >= 21 and 20 in committed_steps(tmp_path / "ck"),
+               job)
+    kill_job(job)
+    killed_at = max(steps_logged(tmp_path / "log"))
+    assert killed_at < STEPS_PER_EPOCH * EPOCHS and not (tmp_path / "out").exists()
+    resumed_from = max(committed_steps(tmp_path / "ck"))
+    assert resumed_from % STEPS_PER_EPOCH != 0, "the test wants a mid-epoch resume"
+
+    out = run(2, EXAMPLE, *args)
+    assert f"resumed from step {resumed_from}, epoch {resumed_from // STEPS_PER_EPOCH}" in out, out
+    for rank in (0, 1):
+        assert_same(load_final(tmp_path / "out", rank), load_final(uninterrupted / "out", rank))
+    # The same samples at every step, and within each epoch every sample exactly once.
+    per_epoch: dict[int, list[int]] = {}
+    for rank in (0, 1):
+        ref, got = steps_logged(uninterrupted / "log", rank), steps_logged(tmp_path / "log", rank)
+        assert sorted(got) == list(range(1, STEPS_PER_EPOCH * EPOCHS + 1))
+        assert got == ref
+        for row in got.values():
+            per_epoch.setdefault(row["epoch"], []).extend(row["ids"])
+    assert sorted(per_epoch) == list(range(EPOCHS))
+    for ids in per_epoch.values():
+        assert sorted(ids) == list(range(SAMPLES))
+
+
+@pytest.fixture(scope="module")
+def two_rank_checkpoint(tmp_path_factory):
+    """10 steps on 2 ranks (epoch 1, 2 of its 8 batches done), flags from a YAML file."""
+    d = tmp_path_factory.mktemp("hvd-10")
+    (d / "log").mkdir()
+    config = d / "ckpt.yaml"
+    config.write_text(f"path: {d / 'ck'}\nevery_n_steps: 5\nkeep_last: 2\n")
+    out = run(2, EXAMPLE, "--ckpt-config", str(config), "--max-steps", "10", "--sample-log", str(d / "log"),
+              "--out", str(d / "out"))
+    assert "done at step 10" in out
+    return d
+
+
+@needs_horovod
+@job
+def test_valid_yaml_config_drives_the_hook(two_rank_checkpoint):
+    assert committed_steps(two_rank_checkpoint / "ck") == [5, 10]
+
+
+@needs_horovod
+@job
+@pytest.mark.parametrize("np", [1, 3])
+def test_restore_a_two_rank_checkpoint_on_another_number_of_ranks(two_rank_checkpoint, tmp_path, np):
+    d = two_rank_checkpoint
+    run(np, WORKER, "restore", "--ckpt-dir", str(d / "ck"), "--out", str(tmp_path))
+    written = [load_final(d / "out", r) for r in (0, 1)]
+    seen = {i for r in (0, 1) for row in steps_logged(d / "log", r).values() if row["epoch"] == 1 for i in row["ids"]}
+    assert len(seen) == 2 * 2 * 8  # 2 steps of epoch 1 on 2 ranks
+    rest: list[int] = []
+    for rank in range(np):
+        got = torch.load(tmp_path / f"restore-rank{rank}-of{np}.pt", weights_only=False)
+        assert (got["step"], got["epoch"], got["samples_in_epoch"], got["world"]) == (10, 1, 32, np)
+        writer = written[rank] if rank < 2 else written[0]  # per-rank buffers: own writer's, else rank 0's
+        assert_same(got["model"], writer["model"])
+        assert_same(got["optimizer"], written[0]["optimizer"])
+        assert_same(got["scheduler"], written[0]["scheduler"])
+        rest += got["rest"]
+    # The unseen rest of the interrupted epoch, re-split across the new ranks: each sample once.
+    assert sorted(rest) == sorted(set(range(SAMPLES)) - seen)
+
+
+def test_invalid_yaml_config_fails_naming_the_key(tmp_path):
+    from horovod_ckpt import HorovodCheckpointer
+
+    model = torch.nn.Linear(2, 2)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"path: {tmp_path}\nevery_n_step: 5\n")
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) 'every_n_step'.*known keys: .*every_n_steps"):
+        HorovodCheckpointer(model=model, config=str(bad))
+    bad.write_text(f"path: {tmp_path}\nevery_n_steps: -3\n")
+    with pytest.raises(ConfigError, match=r"every_n_steps=-3 is invalid"):
+        HorovodCheckpointer(model=model, config=str(bad))
+    bad.write_text(f"path: {tmp_path}\nevery_n_steps: 5\noverhead_budget: 0.03\n")
+    with pytest.raises(ConfigError, match="mutually exclusive"):
+        HorovodCheckpointer(model=model, config=str(bad))
+
+
+@needs_horovod
+@job
+@pytest.mark.parametrize("target", ["one-rank", "launcher"])
+def test_sigterm_takes_a_final_checkpoint_at_the_same_step_on_every_rank(tmp_path, target):
+    (tmp_path / "log").mkdir()
+    job = launch(2, EXAMPLE, "--ckpt-dir", str(tmp_path / "ck"), "--every", "1000", "--step-delay", "0.1",
+                 "--sample-log", str(tmp_path / "log"))
+    wait_until(lambda: max(steps_logged(tmp_path / "log", 1), default=0) >= 6, job)
+    # A scheduler may signal a single rank; horovodrun passes its own SIGTERM on to every rank.
+    os.kill(rank_pid(job, 1) if target == "one-rank" else job.pid, signal.SIGTERM)
+    out = finish(job, timeout=60, expect_rc=None)
+    assert job.returncode != 0, out
+    steps = committed_steps(tmp_path / "ck")
+    assert len(steps) == 1 and 6 <= steps[0] < STEPS_PER_EPOCH * EPOCHS, out
+    state, manifest = read_checkpoint(tmp_path / "ck")
+    assert state["step"] == steps[0] and manifest.world_size == 2
+    for rank in (0, 1):  # each rank stopped right at the checkpoint's step
+        assert max(steps_logged(tmp_path / "log", rank)) in (steps[0] - 1, steps[0])
+
+
+@needs_horovod
+@job
+def test_elastic_job_commits_durably_and_resumes_after_a_restart(tmp_path):
+    args = ["elastic", "--ckpt-dir", str(tmp_path / "ck"), "--epochs", "3", "--batches", "4"]
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    run(2, WORKER, *args[:2], str(ref / "ck"), *args[3:], "--out", str(ref), elastic_dir=ref)
+
+    job = launch(2, WORKER, *args, "--out", str(tmp_path / "a"), "--step-delay", "0.2", elastic_dir=tmp_path)
+    wait_until(lambda: committed_steps(tmp_path / "ck") and max(committed_steps(tmp_path / "ck")) >= 6, job)
+    kill_job(job)
+    latest = max(committed_steps(tmp_path / "ck"))
+    durable, _ = read_checkpoint(tmp_path / "ck", latest)
+
+    out = run(2, WORKER, *args, "--out", str(tmp_path / "b"), elastic_dir=tmp_path)
+    starts = [json.loads(line.split(":", 1)[1]) for line in out.splitlines() if '{"start"' in line]
+    assert starts and all(s["start"] == latest for s in starts), out
+    assert all((s["epoch"], s["batch"]) == (durable["attrs"]["epoch"], durable["attrs"]["batch"]) for s in starts)
+    start = torch.load(tmp_path / "b" / "start-rank0.pt", weights_only=False)
+    assert_same(start["model"], durable["objects"]["model"])
+    for rank in (0, 1):  # continuing from the durable commit ends where the uninterrupted job ended
+        assert_same(torch.load(tmp_path / "b" / f"final-rank{rank}.pt", weights_only=False),
+                    torch.load(ref / f"final-rank{rank}.pt", weights_only=False))
