@@ -15,10 +15,14 @@ Every rank is one process holding the full state (``torch.multiprocessing.spawn`
 localhost for 2 ranks, no process group at all for 1). The harness sets ``torch.set_num_threads``
 to cores / ranks in each rank process; the library itself never changes it.
 
+Multi-level section (``_levels.py``): for the same state, time to durable on a local level 1 against
+writing straight to S3 (moto), and the training-side stall with one level and with two.
+
 Usage::
 
     .venv/bin/python benchmarks/bench_save.py                  # 1 GiB, a few minutes
     .venv/bin/python benchmarks/bench_save.py --size-mib 64    # smoke test, well under a minute
+    .venv/bin/python benchmarks/bench_save.py --worlds none --levels-mib 64   # the multi-level section only
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _levels import bench_levels  # noqa: E402
 from _common import (MemProbe, Metrics, RankCtx, StateSpec, best_of, byte_view, make_state,  # noqa: E402
                      read_into, share_slices, state_bytes, states_equal, summary, timed, write_fsync)
 from _peers import bench_dcp_async, bench_dcp_save, bench_lightning, bench_torch_save  # noqa: E402
@@ -70,6 +75,8 @@ class Config:
     peer_reps: int
     worlds: tuple[int, ...]
     keep: bool
+    levels_mib: int = 64
+    levels_reps: int = 6
 
 
 # ---- physical limits ------------------------------------------------------------------------------
@@ -288,25 +295,41 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument("--peer-reps", type=int, default=2, help="rounds of each peer, best kept (default 2)")
     p.add_argument("--worlds", default="1,2", help="rank counts to run (default 1,2)")
     p.add_argument("--keep", action="store_true", help="keep the working directory (each rank's raw JSON)")
+    p.add_argument("--levels-mib", type=int, default=64,
+                   help="state size of the multi-level section (local level + S3 on moto); 0 skips it (default 64)")
+    p.add_argument("--levels-reps", type=int, default=6, help="saves per set-up in the multi-level section (default 6)")
     a = p.parse_args(argv)
     if min(a.size_mib, a.reps, a.peer_reps) < 1:
         p.error(f"--size-mib, --reps and --peer-reps must be >= 1, got {a.size_mib}, {a.reps}, {a.peer_reps}")
-    worlds = tuple(int(w) for w in a.worlds.split(","))
+    worlds = () if a.worlds == "none" else tuple(int(w) for w in a.worlds.split(","))
     if any(w < 1 for w in worlds):
         p.error(f"--worlds must list positive rank counts, got {a.worlds!r}")
     workdir = tempfile.mkdtemp(prefix="bench_save-", dir=a.dir or "/tmp")
-    return Config(a.size_mib, a.out, workdir, a.reps, a.peer_reps, worlds, a.keep)
+    return Config(a.size_mib, a.out, workdir, a.reps, a.peer_reps, worlds, a.keep, a.levels_mib, a.levels_reps)
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
+    levels: dict[str, Any] = {}
+    levels_md = ""
     try:
         worlds = {w: run_world(w, cfg) for w in cfg.worlds}
+        if cfg.levels_mib > 0:
+            levels, levels_md = bench_levels(cfg.levels_mib, cfg.levels_reps, cfg.dir)
     finally:
         if not cfg.keep:
             shutil.rmtree(cfg.dir, ignore_errors=True)
     config = {**asdict(cfg), "cpu_count": os.cpu_count(), "torch": torch.__version__}
-    print(write_report(worlds, config, cfg.out))
+    if worlds:
+        print(write_report(worlds, config, cfg.out))
+    if cfg.levels_mib > 0:
+        print(levels_md)
+    if levels:
+        os.makedirs(cfg.out, exist_ok=True)
+        with open(os.path.join(cfg.out, "bench_levels.md"), "w") as f:
+            f.write(levels_md + "\n")
+        with open(os.path.join(cfg.out, "bench_levels.json"), "w") as f:
+            json.dump({"config": config, "levels": levels}, f, indent=2)
     return 0
 
 

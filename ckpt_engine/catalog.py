@@ -67,15 +67,16 @@ def committed(storage: Storage) -> list[Entry]:
     return [newest[s] for s in sorted(newest)]
 
 
-def manifest_dirs(storage: Storage, step: int | None = None) -> list[tuple[int, str]]:
+def manifest_dirs(storage: Storage, step: int | None = None, marker: str = MANIFEST_NAME) -> list[tuple[int, str]]:
     """``(step, dirname)`` of every directory holding a manifest file, parseable or not, sorted.
 
     Loading and verifying start from the last of these, so a damaged newest manifest raises
-    instead of being skipped silently in favour of an older checkpoint.
+    instead of being skipped silently in favour of an older checkpoint. ``marker``: the file that
+    commits a directory (a rank's own marker on a node-local level).
     """
     found = []
     for name in attempt_dirs(storage):
         dir_step = parse_dir(name)[0]  # type: ignore[index]
-        if (step is None or dir_step == step) and storage.exists(f"{name}/{MANIFEST_NAME}"):
+        if (step is None or dir_step == step) and storage.exists(f"{name}/{marker}"):
             found.append((dir_step, name))
     return sorted(found)

@@ -11,6 +11,11 @@ Order of calls, on every rank of the job, from the training thread::
 ``state`` is the replicated part (identical on every rank: parameters, optimizer state) and is
 sliced across ranks; ``local`` differs per rank (RNG, data position, per-rank buffers) and each
 rank stores its own whole.
+
+Multi-level (``Checkpointer(levels=["/local_nvme/run", "s3://bucket/run"])``): saves commit on
+the first level, background flushers copy them to the others (multilevel.py, flush.py), and
+``load()`` takes the newest checkpoint that verifies from the fastest level that has it
+(restore_levels.py); there, with several ranks, ``load()`` is a collective: every rank calls it.
 """
 
 from __future__ import annotations
@@ -23,19 +28,21 @@ import warnings
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal
-
-import torch
+from typing import Any, Literal, Sequence
 
 from . import catalog
 from .catalog import dir_name
 from .comm import Comm, LocalComm
 from .commit import CommitInputs, retain, sweep, wait_for_commit, write_abort
+from .config import CheckpointConfig, level_specs
 from .errors import CheckpointError, CheckpointWarning, CorruptionError, NoCheckpointError
+from .flush import FlushRecord
 from .manifest import Manifest, RankRecord, TensorEntry
+from .multilevel import MultiLevel
 from .persist import PersistJob, PersistWorker, SaveRecord
 from .plan import Plan, TensorMeta, make_plan
 from .restore import Opened, open_checkpoint, read_local, read_state
+from .restore_levels import candidates, load_levels
 from .snapshot import BufferPool, Piece, copy_into, layout
 from .storage import Storage
 from .values import Encoded, dtype_name, encode
@@ -79,10 +86,19 @@ class Checkpointer:
     Args:
         path: checkpoint root: a local directory, ``file://``, ``memory://`` (one process only),
             ``s3://bucket/prefix`` or any fsspec URL; or a :class:`Storage` (tests wrap one).
+        levels: instead of ``path``, the persistence levels, fastest first: each a path (or
+            ``Storage``) or a mapping ``{"path": ..., "storage_options": {...}, "keep_last": N}``.
+            A save commits on the first level; background flushers copy it to the others (the
+            newest first: older ones pending are skipped when a level is slower than the
+            checkpoint rate). The first level may be node-local (each node its own disk); the
+            others must be shared. One level is exactly ``path``.
         comm: the job's communicator; default :class:`LocalComm` (single process).
-        keep_last: keep this many committed checkpoints (by step); ``None`` keeps all.
+        keep_last: keep this many committed checkpoints (by step); ``None`` keeps all. With
+            ``levels``: the default of levels that set none (a level never deletes the newest
+            checkpoint a lower level still lacks).
         storage_options: passed to fsspec (credentials are better left to fsspec's own
-            configuration: environment variables, config files).
+            configuration: environment variables, config files); with ``levels``, the default
+            of levels that set none.
         max_inflight: snapshots that may exist at once (each holds one host buffer of the
             rank's share).
         on_busy: when every buffer is still being persisted: ``"wait"`` for one, or ``"skip"``
@@ -94,13 +110,17 @@ class Checkpointer:
         commit_timeout: seconds rank 0 waits for every rank's files before failing the commit.
         read_threads: parallel reads per rank in ``load()``; default: this machine's cores
             divided among the ranks that share it (``LOCAL_WORLD_SIZE``, else the world size).
+        flush_retries: attempts per checkpoint and lower level before a flush failure is kept
+            and raised by the next ``wait()`` / ``close()`` (each failure is counted in
+            ``counters["flush_failed"]``; transient storage errors are retried below that).
     """
 
-    def __init__(self, path: "str | Storage", *, comm: Comm | None = None, keep_last: int | None = None,
+    def __init__(self, path: "str | Storage | None" = None, *, levels: "Sequence[Any] | None" = None,
+                 comm: Comm | None = None, keep_last: int | None = None,
                  storage_options: dict[str, Any] | None = None, max_inflight: int = 1,
                  on_busy: Literal["wait", "skip"] = "wait", on_error: Literal["raise", "warn"] = "raise",
                  commit_timeout: float = 600.0,
-                 read_threads: int | None = None) -> None:
+                 read_threads: int | None = None, flush_retries: int = 3) -> None:
         if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
             raise ValueError(f"keep_last must be a positive integer or None, got {keep_last!r}")
         if on_busy not in ("wait", "skip"):
@@ -109,22 +129,39 @@ class Checkpointer:
             raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
         if commit_timeout <= 0:
             raise ValueError(f"commit_timeout must be > 0, got {commit_timeout!r}")
+        if type(flush_retries) is not int or flush_retries < 1:
+            raise ValueError(f"flush_retries must be a positive integer, got {flush_retries!r}")
+        specs = level_specs(path, levels, storage_options, keep_last)
         self.comm: Comm = comm if comm is not None else LocalComm()
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
-        self.storage = path if isinstance(path, Storage) else Storage(path, storage_options)
-        if self.storage.protocol == "memory" and self.world_size > 1:
-            raise CheckpointError(f"{path!r}: memory:// lives in one process and cannot hold a checkpoint of "
-                                  f"{self.world_size} ranks; use a shared filesystem or object store")
-        self.keep_last, self.on_busy, self.on_error = keep_last, on_busy, on_error
+        self.on_busy, self.on_error = on_busy, on_error
         self.commit_timeout = commit_timeout
         self.read_threads = read_threads or _default_read_threads(self.world_size)
-        if self.rank == 0:
-            self.storage.makedirs("")
-            sweep(self.storage)
-        # One collective at start: names this incarnation's attempts and orders them after the sweep.
-        self._generation: str = self.comm.broadcast(_new_generation() if self.rank == 0 else None)
+        self.counters = {"saves": 0, "skipped": 0, "waited_s": 0.0, "committed": 0, "failed": 0}
+        self.flush_records: deque[FlushRecord] = deque(maxlen=1000)
+        """Multi-level: figures of each checkpoint flushed (or skipped) to each lower level."""
+        self._multi: MultiLevel | None = None
+        if len(specs) == 1:
+            path, storage_options, keep_last = specs[0].path, dict(specs[0].storage_options), specs[0].keep_last
+            self.storage = path if isinstance(path, Storage) else Storage(path, storage_options)
+            if self.storage.protocol == "memory" and self.world_size > 1:
+                raise CheckpointError(f"{path!r}: memory:// lives in one process and cannot hold a checkpoint of "
+                                      f"{self.world_size} ranks; use a shared filesystem or object store")
+            if self.rank == 0:
+                self.storage.makedirs("")
+                sweep(self.storage)
+            # One collective at start: names this incarnation's attempts and orders them after the sweep.
+            self._generation: str = self.comm.broadcast(_new_generation() if self.rank == 0 else None)
+        else:
+            self._multi = MultiLevel(specs, self.comm, commit_timeout=commit_timeout, retries=flush_retries,
+                                     new_generation=_new_generation, counters=self.counters,
+                                     records=self.flush_records)
+            self.storage, keep_last = self._multi.fast.storage, self._multi.fast.keep_last
+            self._generation = self._multi.generation
+        self.keep_last = keep_last
         self._pool = BufferPool(max_inflight)
-        self._worker = PersistWorker(self.storage, self._pool, commit_timeout, self._after_commit)
+        self._worker = PersistWorker(self.storage, self._pool, commit_timeout, self._after_commit,
+                                     self._on_persisted if self._multi is not None else None)
         self._snapshots: ThreadPoolExecutor | None = None
         # Retention deletes (about 0.2 s per GiB here) run beside the persist worker, not in it,
         # so the next checkpoint's persist never queues behind them.
@@ -134,12 +171,25 @@ class Checkpointer:
         self._layouts: dict[tuple, _Layout] = {}
         self._seq = 0
         self._last_dir: str | None = None
+        self._last_committed: str | None = None
         self._opened: Opened | None = None
+        self._opened_from: tuple[Storage, int, dict[int, Any] | None] = (self.storage, 0, None)
         self.load_failures: list[str] = []
         self._closed = False
         self._lock = threading.Lock()
         self.records: deque[SaveRecord] = deque(maxlen=1000)
-        self.counters = {"saves": 0, "skipped": 0, "waited_s": 0.0, "committed": 0, "failed": 0}
+
+    @classmethod
+    def from_config(cls, config: CheckpointConfig, *, comm: Comm | None = None, **kwargs: Any) -> "Checkpointer":
+        """The checkpointer a validated :class:`CheckpointConfig` describes (``path`` or ``levels``,
+        ``keep_last``, ``storage_options``); ``kwargs`` are the other constructor arguments
+        (``max_inflight``, ``on_busy``, ``on_error``, ``commit_timeout``, ``flush_retries`` ...).
+
+        What the front ends call, so that ``levels`` works from YAML in all of them.
+        """
+        where = {"levels": config.levels} if config.levels is not None else {"path": config.path}
+        return cls(**where, comm=comm, keep_last=config.keep_last, storage_options=dict(config.storage_options),
+                   **kwargs)
 
     # ---- saving -------------------------------------------------------------------------------
     def save(self, state: Any, step: int, local: Any = None, *, defer: bool = False) -> SaveHandle | None:
@@ -172,8 +222,12 @@ class Checkpointer:
         if buf is None:
             buf = self._pool.acquire(lay.nbytes, pinned=cuda, block=True)
             self.counters["waited_s"] += time.perf_counter() - start
+        inputs = self._commit_inputs(step, attempt, lay, enc)
+        if self._multi is not None:
+            self._multi.expect(dirname, inputs)
+            inputs = None if self._multi.node_local else inputs  # each rank commits its own files there
         job = PersistJob(dirname, step, self.rank, self.world_size, attempt, buf, lay.nbytes, lay.pieces,
-                         lay.local_tensors, lenc.tree, record, commit=self._commit_inputs(step, attempt, lay, enc))
+                         lay.local_tensors, lenc.tree, record, commit=inputs)
         snapshot: Future[None] | None = None
         if defer:
             snapshot = self._snapshot_pool().submit(self._copy, job, enc, lenc)
@@ -198,23 +252,44 @@ class Checkpointer:
         lay = self._layout(enc, lenc)
         self._pool.reserve(lay.nbytes, pinned=any(t.is_cuda for t in enc.tensors + lenc.tensors))
 
-    def wait(self, *, retention: bool = False) -> None:
+    def wait(self, *, retention: bool = False, flush: bool = False, timeout: float | None = None) -> None:
         """Block until every pending save is committed (or dropped); re-raise a background error.
 
         Deleting older checkpoints (``keep_last``) runs on its own thread and is not waited for,
-        unless ``retention=True``; ``close()`` always waits for it.
+        unless ``retention=True``; ``close()`` always waits for it. Multi-level: "committed"
+        means on the first level; ``flush=True`` also waits (up to ``timeout`` seconds, default
+        ``commit_timeout``) until every level has the newest checkpoint. A flush that failed for
+        good is raised here either way (once).
         """
         self._check_open()
         self._drain()
         if retention:
             self._check_retention(wait=True)
+        if self._multi is not None:
+            if flush:
+                self._multi.drain(self.commit_timeout if timeout is None else timeout)
+            self._raise_flush_error()
 
-    def close(self) -> None:
-        """Wait for pending saves, then stop the background threads. Idempotent."""
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for pending saves (and, multi-level, flushes: up to ``timeout`` seconds, default
+        ``commit_timeout``), then stop the background threads. Idempotent.
+
+        A flush still unfinished after ``timeout`` raises :class:`CheckpointError` (warns with
+        ``on_error="warn"``); its checkpoint stays committed on the first level and the next
+        start flushes the newest one again.
+        """
         if self._closed:
             return
         try:
             self._drain()
+            if self._multi is not None:
+                try:
+                    self._multi.drain(self.commit_timeout if timeout is None else timeout)
+                except CheckpointError as e:
+                    self._report(e)
+                if self._last_committed is not None:  # what the flushes no longer need
+                    self._retaining.append(self._janitor.submit(self._multi.retain_fast, self._last_committed))
+                self._raise_flush_error()
         finally:
             self._closed = True
             self._worker.stop()
@@ -222,6 +297,8 @@ class Checkpointer:
             self._check_retention(wait=True)
             if self._snapshots is not None:
                 self._snapshots.shutdown(wait=True)
+            if self._multi is not None:
+                self._multi.stop()
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -231,7 +308,9 @@ class Checkpointer:
 
     # ---- loading ------------------------------------------------------------------------------
     def steps(self) -> list[int]:
-        """Steps of the committed checkpoints, oldest first."""
+        """Steps of the committed checkpoints, oldest first (multi-level: on any level)."""
+        if self._multi is not None:
+            return self._multi.steps()
         return [e.step for e in catalog.committed(self.storage)]
 
     def latest_step(self) -> int | None:
@@ -246,7 +325,16 @@ class Checkpointer:
         and tensor. With ``fallback=True`` a checkpoint that fails verification is skipped (and
         recorded in ``load_failures``) for the next newest one. Works with any world size,
         including a single process. Raises :class:`NoCheckpointError` when there is nothing.
+
+        Multi-level: every level is considered, the newest step first and the fastest level
+        first on a tie; a copy that fails verification falls back to the same step on the next
+        level (older steps only with ``fallback=True``); with several ranks this is a collective.
         """
+        if self._multi is not None:
+            self.load_failures = []
+            loaded = load_levels(self._multi, self.comm, step, fallback, self.read_threads, self.load_failures)
+            self._opened, self._opened_from = loaded.opened, (loaded.storage, loaded.level, loaded.locals)
+            return loaded.state
         found = catalog.manifest_dirs(self.storage, step)
         if not found:
             which = "" if step is None else f" of step {step}"
@@ -274,15 +362,20 @@ class Checkpointer:
         the writers' world size and ``None`` otherwise; ``rank=`` reads any writer's.
         """
         if self._opened is None:
-            found = catalog.manifest_dirs(self.storage)
-            if not found:
-                raise NoCheckpointError(f"no committed checkpoint at {self.storage.describe('')}")
-            self._opened = open_checkpoint(self.storage, found[-1][1])
+            self._open_newest()
         opened = self._opened
+        assert opened is not None
         rank = self.rank if rank is None else rank
         if rank >= opened.manifest.world_size:
             return None
-        return read_local(self.storage, opened, rank)
+        storage, level, locals_ = self._opened_from
+        if locals_ is not None:
+            if rank not in locals_:
+                raise CheckpointError(f"writer {rank}'s local state of {opened.dirname} is on its own node's level "
+                                      f"{level + 1}; after a restore from there only this rank's and writer 0's are "
+                                      "at hand (load that step from a shared level to read any)")
+            return locals_[rank]
+        return read_local(storage, opened, rank)
 
     def busy(self) -> bool:
         """Whether a snapshot is still being persisted (policies count its contention)."""
@@ -293,7 +386,30 @@ class Checkpointer:
         """The manifest of the checkpoint the last ``load()`` read."""
         return self._opened.manifest if self._opened else None
 
+    @property
+    def loaded_level(self) -> int | None:
+        """Which level (0: the first, fastest) the last ``load()`` read from."""
+        return self._opened_from[1] if self._opened else None
+
+    @property
+    def levels(self) -> tuple[Storage, ...]:
+        """Each level's storage, fastest first (node-local level 1: this rank's own part of it)."""
+        return (self.storage,) if self._multi is None else tuple(level.storage for level in self._multi.levels)
+
     # ---- internals ----------------------------------------------------------------------------
+    def _open_newest(self) -> None:
+        """``load_local()`` before any ``load()``: the newest checkpoint this process sees (no communication)."""
+        if self._multi is None:
+            shared = {0: catalog.manifest_dirs(self.storage)}
+        else:
+            shared = {lv.index: catalog.manifest_dirs(lv.storage) for lv in self._multi.levels if not lv.node_local}
+        found = candidates(shared, None, self.world_size)
+        if not found:
+            raise NoCheckpointError(f"no committed checkpoint at {self.storage.describe('')}")
+        storage = self.levels[found[0].level] if self._multi is not None else self.storage
+        self._opened = open_checkpoint(storage, found[0].dirname)
+        self._opened_from = (storage, found[0].level, None)
+
     def _layout(self, enc: Encoded, lenc: Encoded) -> _Layout:
         key = (tuple((t.dtype, t.shape) for t in enc.tensors), tuple((t.dtype, t.shape) for t in lenc.tensors))
         lay = self._layouts.get(key)
@@ -309,7 +425,7 @@ class Checkpointer:
         return lay
 
     def _commit_inputs(self, step: int, attempt: str, lay: _Layout, enc: Encoded) -> CommitInputs | None:
-        if self.rank != 0:
+        if self.rank != 0 and not (self._multi is not None and self._multi.node_local):
             return None
         world, tree, tensors, threshold = self.world_size, enc.tree, lay.tensors, lay.plan.split_threshold
 
@@ -329,12 +445,26 @@ class Checkpointer:
         self.records.append(record)
         if self.world_size > 1:
             write_abort(self.storage, dirname, self.rank, "skipped")
+        if self._multi is not None:
+            self._multi.skipped(dirname, record.step, record.started_at)
         return None
 
     def _after_commit(self, job: PersistJob) -> None:
         self.counters["committed"] += 1
-        self._retaining.append(self._janitor.submit(retain, self.storage, job.dirname, self.keep_last,
-                                                    self._generation))
+        self._last_committed = job.dirname
+        if self._multi is None:
+            self._retaining.append(self._janitor.submit(retain, self.storage, job.dirname, self.keep_last,
+                                                        self._generation))
+
+    def _on_persisted(self, job: PersistJob) -> None:
+        """Multi-level, persist thread: commit this rank's files (node-local level 1), hand them to the
+        flushers, then level-1 retention (after the hand-over, so it sees what the flushers need)."""
+        assert self._multi is not None
+        self._multi.persisted(job)
+        if job.durable and self._multi.node_local:
+            self._after_commit(job)  # each rank commits and keeps its own part of a node-local level 1
+        if job.durable and (job.commit is not None or self._multi.node_local):
+            self._retaining.append(self._janitor.submit(self._multi.retain_fast, job.dirname))
 
     def _snapshot_pool(self) -> ThreadPoolExecutor:
         if self._snapshots is None:
@@ -350,9 +480,9 @@ class Checkpointer:
         self._worker.drain()
         self._raise_background_error()
         self._check_retention(wait=False)
-        if self.rank != 0 and self._last_dir is not None:
+        if self.rank != 0 and self._last_dir is not None and not (self._multi and self._multi.node_local):
             wait_for_commit(self.storage, self._last_dir, self.world_size, self.commit_timeout)
-            self._last_dir = None
+        self._last_dir = None
 
     def _check_retention(self, wait: bool) -> None:
         """Warn about failed deletions (nothing is lost: the next commit retries them)."""
@@ -375,6 +505,18 @@ class Checkpointer:
             error = wrapped
         if self.on_error == "warn":
             warnings.warn(f"checkpoint not saved: {error}", CheckpointWarning, stacklevel=3)
+            return
+        raise error
+
+    def _raise_flush_error(self) -> None:
+        error = self._multi.take_error() if self._multi is not None else None
+        if error is not None:
+            self._report(error)
+
+    def _report(self, error: CheckpointError) -> None:
+        """Raise a flush problem, or warn with ``on_error="warn"`` (level 1 has the checkpoint)."""
+        if self.on_error == "warn":
+            warnings.warn(str(error), CheckpointWarning, stacklevel=4)
             return
         raise error
 

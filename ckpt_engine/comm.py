@@ -95,6 +95,21 @@ class TorchDistComm:
         self._dist.all_gather(out, padded, group=self._group)
         return [_decode(o[: int(s.item())]) for o, s in zip(out, sizes)]
 
+    def all_gather_tensor(self, data: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank returns all ranks' 1-D uint8 CPU tensors (of any lengths), by rank.
+
+        Optional in :class:`Comm`: restoring from a node-local level uses it to exchange slices.
+        """
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=self._device)
+        sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
+        self._dist.all_gather(sizes, size, group=self._group)
+        longest = int(max(s.item() for s in sizes))
+        padded = torch.zeros(longest, dtype=torch.uint8, device=self._device)
+        padded[: data.numel()] = data
+        out = [torch.empty_like(padded) for _ in range(self.world_size)]
+        self._dist.all_gather(out, padded, group=self._group)
+        return [o[: int(s.item())].cpu() for o, s in zip(out, sizes)]
+
     def _global(self, rank: int) -> int:
         return rank if self._group is None else self._dist.get_global_rank(self._group, rank)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Collection
 
 import xxhash
 
@@ -142,31 +142,36 @@ def commit(storage: Storage, dirname: str, inputs: CommitInputs, timeout: float)
     return manifest
 
 
-def remove_checkpoint(storage: Storage, dirname: str) -> None:
-    """Delete a checkpoint directory: manifest first, so it stops being a checkpoint at once."""
-    storage.remove(f"{dirname}/{MANIFEST_NAME}")
+def remove_checkpoint(storage: Storage, dirname: str, marker: str = MANIFEST_NAME) -> None:
+    """Delete a checkpoint directory: its commit ``marker`` first, so it stops being one at once."""
+    storage.remove(f"{dirname}/{marker}")
     storage.remove(dirname)
 
 
-def retain(storage: Storage, committed_dir: str, keep_last: int | None, attempt_prefix: str) -> list[str]:
+def retain(storage: Storage, committed_dir: str, keep_last: int | None, attempt_prefix: str, *,
+           marker: str = MANIFEST_NAME, protect: Collection[str] = ()) -> list[str]:
     """After committing ``committed_dir``: drop what it makes obsolete. Returns removed names.
 
     * older attempts of the same step (the new one replaces them);
     * this job's attempts older than it that never committed (rank 0 commits in order, so they
       never will: a rank skipped or failed them);
     * committed checkpoints beyond the ``keep_last`` highest steps (never the newest).
+
+    Directories named in ``protect`` stay whatever the rules say (multi-level: the checkpoint a
+    flush still reads). ``marker`` is the file whose presence is the commit (the manifest, or a
+    rank's own marker on a node-local level).
     """
     step, attempt = parse_dir(committed_dir)  # type: ignore[misc]
     removed = []
     kept_steps = []
     for name in attempt_dirs(storage):
-        if name == committed_dir:
+        if name == committed_dir or name in protect:
             continue
         other_step, other_attempt = parse_dir(name)  # type: ignore[misc]
-        has_manifest = storage.exists(f"{name}/{MANIFEST_NAME}")
+        has_manifest = storage.exists(f"{name}/{marker}")
         dead = not has_manifest and other_attempt.startswith(attempt_prefix) and other_attempt < attempt
         if other_step == step or dead:
-            remove_checkpoint(storage, name)
+            remove_checkpoint(storage, name, marker)
             removed.append(name)
         elif has_manifest:
             kept_steps.append((other_step, name))
@@ -174,21 +179,21 @@ def retain(storage: Storage, committed_dir: str, keep_last: int | None, attempt_
         newer = sorted(kept_steps + [(step, committed_dir)], reverse=True)
         for _, name in newer[keep_last:]:
             if name != committed_dir:
-                remove_checkpoint(storage, name)
+                remove_checkpoint(storage, name, marker)
                 removed.append(name)
     return removed
 
 
-def sweep(storage: Storage) -> list[str]:
+def sweep(storage: Storage, marker: str = MANIFEST_NAME) -> list[str]:
     """At start, before any rank writes: remove uncommitted attempts, stale temp files and
     unfinished multipart uploads.
 
     Call it on one rank only, while no save of this path is in progress (the job's previous
-    incarnation is dead). Returns the removed names.
+    incarnation is dead). Returns the removed names. ``marker``: the file that commits a directory.
     """
     removed = []
     for name in attempt_dirs(storage):
-        if not storage.exists(f"{name}/{MANIFEST_NAME}"):
+        if not storage.exists(f"{name}/{marker}"):
             storage.remove(name)
             removed.append(name)
     for tmp in storage.stale_temp_files():

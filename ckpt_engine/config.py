@@ -4,6 +4,16 @@ Flags (keyword arguments or YAML keys): ``path``, ``every_n_steps``, ``every_sec
 ``overhead_budget``, ``max_interval``, ``keep_last``, ``levels``, ``storage_options``. The three
 triggers are mutually exclusive; ``max_interval`` ("at least every ... seconds") composes with any.
 Validation happens here, once, with messages that echo the bad key or value.
+
+``levels`` (instead of ``path``) lists the persistence levels, fastest first: each entry a path, or
+a mapping ``{path: ..., storage_options: {...}, keep_last: N}``; the top-level ``storage_options``
+and ``keep_last`` are the defaults of entries that do not set their own. In YAML::
+
+    levels:
+      - /local_nvme/run                      # level 1: commit here first
+      - path: s3://bucket/run                # level 2: flushed in the background
+        keep_last: 10
+    keep_last: 2
 """
 
 from __future__ import annotations
@@ -23,6 +33,81 @@ class ConfigError(CheckpointError, ValueError):
 
 
 @dataclass(frozen=True)
+class LevelSpec:
+    """One persistence level as configured: where, with which fsspec options, how many to keep.
+
+    ``path`` is a path or fsspec URL, or a ``Storage`` instance when built in code (tests wrap one).
+    """
+
+    path: Any
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    keep_last: int | None = None
+
+    @property
+    def location(self) -> str:
+        """The level's root as text (a ``Storage``'s URL)."""
+        return self.path if isinstance(self.path, str) else str(getattr(self.path, "url", self.path))
+
+
+_LEVEL_KEYS = ("path", "storage_options", "keep_last")
+
+
+def parse_levels(entries: Any, *, storage_options: Mapping[str, Any] | None = None, keep_last: int | None = None,
+                 allow_storage: bool = False) -> tuple[LevelSpec, ...]:
+    """Validate ``levels`` entries (fastest first) into :class:`LevelSpec`; raises :class:`ConfigError`.
+
+    Each entry is a path string or a mapping with ``path`` and optionally ``storage_options`` and
+    ``keep_last``; ``storage_options`` / ``keep_last`` given here are the defaults of entries that do
+    not set their own. ``allow_storage``: entries (or their ``path``) may be ``Storage`` objects.
+    """
+    if isinstance(entries, (str, bytes, Mapping)) or not isinstance(entries, (list, tuple)) or not entries:
+        raise ConfigError(f"'levels' must be a non-empty list of paths or {{path: ...}} mappings, got {entries!r}")
+    specs = tuple(_level(e, i, storage_options or {}, keep_last, allow_storage) for i, e in enumerate(entries))
+    seen: dict[str, int] = {}
+    for i, spec in enumerate(specs):
+        key = spec.location.removeprefix("file://").rstrip("/")
+        if key in seen:
+            raise ConfigError(f"levels[{i}] ({spec.location!r}) is the same place as levels[{seen[key]}]; "
+                              "each level needs its own root")
+        seen[key] = i
+    return specs
+
+
+def level_specs(path: Any, levels: Any, storage_options: Mapping[str, Any] | None,
+                keep_last: int | None) -> tuple[LevelSpec, ...]:
+    """The levels of a checkpointer: ``path`` as the only one, or the validated ``levels`` (which
+    may hold ``Storage`` objects), with ``storage_options`` and ``keep_last`` as their defaults."""
+    if (path is None) == (levels is None):
+        raise ConfigError("give exactly one of path (one level) or levels=[fastest, ..., slowest]; "
+                          f"got path={path!r}, levels={levels!r}")
+    if levels is None:
+        return (LevelSpec(path, dict(storage_options or {}), keep_last),)
+    return parse_levels(levels, storage_options=storage_options, keep_last=keep_last, allow_storage=True)
+
+
+def _level(entry: Any, i: int, options: Mapping[str, Any], keep_last: int | None, allow_storage: bool) -> LevelSpec:
+    where = f"levels[{i}]"
+    if isinstance(entry, LevelSpec):
+        entry = {"path": entry.path, "storage_options": entry.storage_options, "keep_last": entry.keep_last}
+    if not isinstance(entry, Mapping):
+        entry = {"path": entry}
+    unknown = sorted(set(entry) - set(_LEVEL_KEYS), key=str)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; a level takes "
+                          f"{', '.join(_LEVEL_KEYS)}")
+    path = entry.get("path")
+    is_storage = allow_storage and not isinstance(path, str) and hasattr(path, "listdir")
+    if not is_storage and (not isinstance(path, str) or not path):
+        raise ConfigError(f"{where}: 'path' must be a non-empty string (a directory or fsspec URL), got {path!r}")
+    own = entry.get("storage_options")
+    _check(own is None or isinstance(own, Mapping), f"{where}.storage_options", own, "a mapping")
+    level_keep = entry["keep_last"] if "keep_last" in entry else keep_last  # an explicit null keeps all
+    _check(level_keep is None or (type(level_keep) is int and level_keep > 0), f"{where}.keep_last", level_keep,
+           "a positive integer")
+    return LevelSpec(path, dict(options if own is None else own), level_keep)
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     """Validated checkpoint settings (see the module docstring for the flags)."""
 
@@ -32,19 +117,19 @@ class CheckpointConfig:
     overhead_budget: float | None = None
     max_interval: float | None = None
     keep_last: int | None = None
-    levels: tuple[str, ...] | None = None
+    levels: tuple[LevelSpec, ...] | None = None
     storage_options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if (self.path is None) == (self.levels is None):
             raise ConfigError("give exactly one of 'path' or 'levels' (the checkpoint location)")
+        _check(isinstance(self.storage_options, Mapping), "storage_options", type(self.storage_options).__name__,
+               "a mapping")
+        _check(self.keep_last is None or (type(self.keep_last) is int and self.keep_last > 0), "keep_last",
+               self.keep_last, "a positive integer")
         if self.levels is not None:
-            if isinstance(self.levels, str) or not self.levels or not all(isinstance(x, str) for x in self.levels):
-                raise ConfigError(f"'levels' must be a non-empty list of paths, got {self.levels!r}")
-            object.__setattr__(self, "levels", tuple(self.levels))
-            if len(self.levels) > 1:
-                raise ConfigError(f"'levels' with {len(self.levels)} entries: multi-level persistence is not "
-                                  "supported by this version; give one level or 'path'")
+            object.__setattr__(self, "levels", parse_levels(self.levels, storage_options=self.storage_options,
+                                                            keep_last=self.keep_last))
         elif not isinstance(self.path, str) or not self.path:
             raise ConfigError(f"'path' must be a non-empty string, got {self.path!r}")
         triggers = [k for k in ("every_n_steps", "every_seconds", "overhead_budget") if getattr(self, k) is not None]
@@ -59,15 +144,11 @@ class CheckpointConfig:
                "overhead_budget", self.overhead_budget, "a fraction in (0, 1), e.g. 0.035")
         _check(self.max_interval is None or _positive(self.max_interval), "max_interval", self.max_interval,
                "a positive number of seconds")
-        _check(self.keep_last is None or (type(self.keep_last) is int and self.keep_last > 0), "keep_last",
-               self.keep_last, "a positive integer")
-        _check(isinstance(self.storage_options, Mapping), "storage_options", type(self.storage_options).__name__,
-               "a mapping")
 
     @property
     def location(self) -> str:
-        """The checkpoint root (``path``, or the single level)."""
-        return self.path if self.path is not None else self.levels[0]  # type: ignore[index]
+        """The checkpoint root: ``path``, or the first (fastest) level's path."""
+        return self.path if self.path is not None else self.levels[0].location  # type: ignore[index]
 
     def policy(self) -> Policy:
         """The trigger policy these settings describe.

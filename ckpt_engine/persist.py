@@ -61,6 +61,8 @@ class PersistJob:
     snapshot: "Future[None] | None" = None
     commit: CommitInputs | None = None
     stats: dict = field(default_factory=dict)
+    durable: bool = False
+    """Set once this rank's files are durable (and, on the committer, committed)."""
 
 
 def write_rank(storage: Storage, job: PersistJob) -> None:
@@ -90,11 +92,15 @@ class PersistWorker:
     """The background thread of one ``Checkpointer``; jobs run one at a time, in order."""
 
     def __init__(self, storage: Storage, pool: BufferPool, commit_timeout: float,
-                 after_commit: Callable[[PersistJob], None]) -> None:
+                 after_commit: Callable[[PersistJob], None],
+                 on_finished: Callable[[PersistJob], None] | None = None) -> None:
         self._storage = storage
         self._pool = pool
         self._timeout = commit_timeout
         self._after_commit = after_commit
+        # Called here at the end of every job, failed ones included (``job.durable`` says which),
+        # before ``finished_at``; an exception there fails the job (multi-level persistence uses it).
+        self._on_finished = on_finished
         self._queue: "queue.Queue[PersistJob | None]" = queue.Queue()
         self._error: BaseException | None = None
         self._lock = threading.Lock()
@@ -133,6 +139,12 @@ class PersistWorker:
     def _process(self, job: PersistJob) -> None:
         try:
             self._persist_and_commit(job)
+            if self._on_finished is not None:
+                try:
+                    self._on_finished(job)
+                except BaseException as e:  # noqa: BLE001 - kept and re-raised on the training side
+                    job.durable = False
+                    self._fail(job, e)
         finally:
             job.record.finished_at = job.record.finished_at or time.perf_counter()
 
@@ -149,6 +161,7 @@ class PersistWorker:
                 job.record.committed = True
                 job.record.finished_at = time.perf_counter()
                 self._after_commit(job)
+            job.durable = True
         except Abandoned:
             job.record.skipped = True
         except BaseException as e:  # noqa: BLE001 - kept and re-raised on the training side

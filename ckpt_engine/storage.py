@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import collections.abc
 import os
 import posixpath
 import uuid
@@ -86,12 +87,17 @@ class Storage:
         ``sync_dir=False`` leaves the directory entry to a later ``write_atomic`` in the same
         directory (its directory fsync covers both): one fsync fewer per file on local disks.
 
+        ``chunks`` that is neither a sequence nor an iterator (an iterable whose every ``iter()``
+        is a fresh pass, such as a copy streamed from another storage) is consumed lazily, one
+        chunk in memory at a time, and iterated again on a retry.
+
         On object stores a large file goes up as a multipart upload (parts of ``_OBJECT_BLOCK``)
         completed only at the end, so a crash never leaves a visible partial object.
         """
         if self.local:
             return self._run("write", rel, lambda: self._write_local(rel, chunks, sync_dir))
-        chunks = list(chunks)  # a retry writes them again
+        if isinstance(chunks, collections.abc.Iterator):
+            chunks = list(chunks)  # a retry writes them again
 
         def write() -> int:
             written = 0
@@ -104,9 +110,11 @@ class Storage:
         return self._run("write", rel, write)
 
     def _write_local(self, rel: str, chunks: Iterable[memoryview | bytes], sync_dir: bool) -> int:
-        chunks = list(chunks)
+        streamed = not isinstance(chunks, collections.abc.Sequence)  # a stream stays lazy: one chunk in memory
+        chunks = chunks if streamed else list(chunks)
         written = None
-        if self.direct_io and len(chunks) == 1 and _direct_eligible(chunks[0]):
+        single = not streamed and len(chunks) == 1  # type: ignore[arg-type]
+        if single and self.direct_io and _direct_eligible(chunks[0]):  # type: ignore[index]
             written = _write_direct(self.path(rel), memoryview(chunks[0]).cast("B"))
             if written is None:  # this filesystem refuses O_DIRECT (tmpfs, some FUSE): stop trying
                 self.direct_io = False

@@ -18,6 +18,17 @@ def test_valid_configurations_build_their_policies():
     assert CheckpointConfig(levels=["/fast"]).location == "/fast"
 
 
+def test_levels_take_paths_or_mappings_with_top_level_defaults():
+    cfg = CheckpointConfig(levels=["/nvme/run", {"path": "s3://b/run", "keep_last": 10,
+                                                 "storage_options": {"anon": False}}, {"path": "/nfs/run"}],
+                           keep_last=2, storage_options={"x": 1})
+    assert cfg.location == "/nvme/run"
+    assert [(lv.location, lv.keep_last, dict(lv.storage_options)) for lv in cfg.levels] == [
+        ("/nvme/run", 2, {"x": 1}), ("s3://b/run", 10, {"anon": False}), ("/nfs/run", 2, {"x": 1})]
+    keep_all = CheckpointConfig(levels=["/a", {"path": "/b", "keep_last": None}], keep_last=3)
+    assert [lv.keep_last for lv in keep_all.levels] == [3, None]  # an explicit null keeps everything
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"path": "/x", "every_n_steps": 5, "overhead_budget": 0.1}, "every_n_steps and overhead_budget are mutually"),
     ({"path": "/x", "every_n_steps": -1}, "every_n_steps=-1 is invalid"),
@@ -29,7 +40,14 @@ def test_valid_configurations_build_their_policies():
     ({}, "exactly one of 'path' or 'levels'"),
     ({"path": "/x", "levels": ["/y"]}, "exactly one of 'path' or 'levels'"),
     ({"levels": "/y"}, "'levels' must be a non-empty list"),
-    ({"levels": ["/a", "s3://b/c"]}, "multi-level persistence is not supported"),
+    ({"levels": []}, "'levels' must be a non-empty list"),
+    ({"levels": [{"path": "/a", "keep": 3}]}, r"levels\[0\]: unknown key\(s\) 'keep'; a level takes path"),
+    ({"levels": ["/a", {"storage_options": {}}]}, r"levels\[1\]: 'path' must be a non-empty string"),
+    ({"levels": ["/a", 7]}, r"levels\[1\]: 'path' must be a non-empty string.*got 7"),
+    ({"levels": ["/a", {"path": "s3://b/c", "keep_last": 0}]}, r"levels\[1\].keep_last=0 is invalid"),
+    ({"levels": ["/a", {"path": "s3://b/c", "storage_options": "anon"}]}, r"levels\[1\].storage_options='anon'"),
+    ({"levels": ["/a", "file:///a/"]}, r"levels\[1\] \('file:///a/'\) is the same place as levels\[0\]"),
+    ({"levels": ["/a", "s3://b/c"], "keep_last": -1}, "keep_last=-1 is invalid"),
     ({"path": "/x", "storage_options": ["k"]}, "storage_options"),
 ])
 def test_invalid_values_are_named(kwargs, message):
@@ -53,6 +71,11 @@ def test_yaml_file(tmp_path):
         CheckpointConfig.from_yaml(str(broken))
     with pytest.raises(ConfigError, match="cannot read"):
         CheckpointConfig.from_yaml(str(tmp_path / "missing.yaml"))
+    levels = tmp_path / "levels.yaml"
+    levels.write_text("levels:\n  - /local_nvme/run\n  - path: s3://bucket/run\n    keep_last: 10\n"
+                      "keep_last: 2\nevery_n_steps: 50\n")
+    cfg = CheckpointConfig.from_yaml(str(levels))
+    assert [(lv.location, lv.keep_last) for lv in cfg.levels] == [("/local_nvme/run", 2), ("s3://bucket/run", 10)]
     listy = tmp_path / "list.yaml"
     listy.write_text("- a\n")
     with pytest.raises(ConfigError, match="expected a mapping"):

@@ -1,0 +1,139 @@
+"""Multi-level section of ``bench_save.py``: a fast local level in front of S3 (moto), one process.
+
+For the same state, back to back in one process:
+
+* ``s3 direct``: ``Checkpointer("s3://...")``: ``save()`` stall and time to durable (``wait()``);
+* ``local only``: ``Checkpointer(local_dir)``: the same figures, the one-level baseline;
+* ``local only + raw upload``: the same, with an s3fs upload of the same bytes started just
+  before each save: the contention any upload in flight causes on this machine, without our code;
+* ``local + s3``: ``Checkpointer(levels=[local_dir, "s3://..."])``: stall, time to durable on
+  level 1 (``wait()``) and on level 2 (the flush records' ``durable_s``), skipped flushes.
+
+Every save follows the previous one's ``wait()``, so with two levels each save's snapshot runs
+while the previous flush is still copying: the stall includes that contention, which is why the
+``raw upload`` row is its reference (on 2 cores with moto in the same machine it is large).
+
+moto keeps objects in memory and is single-threaded Python: absolute S3 figures say nothing about
+a real object store; the ratios compare the paths on the same machine in the same minute.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from typing import Any
+
+from _common import StateSpec, make_state
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+
+
+def _run(ck: Any, state: dict, reps: int, beside: Any = None) -> dict[str, Any]:
+    """``reps`` saves (the first, which allocates the buffer, is left out of the figures);
+    ``beside``: a function run in a thread started just before each save (and joined after)."""
+    stalls, durable = [], []
+    for step in range(reps + 1):
+        thread = threading.Thread(target=beside) if beside is not None and step else None
+        if thread is not None:
+            thread.start()
+            time.sleep(0.05)
+        start = time.perf_counter()
+        ck.save(state, step)
+        stall = time.perf_counter() - start
+        ck.wait()
+        if thread is not None:
+            thread.join()
+        if step:
+            stalls.append(stall)
+            durable.append(time.perf_counter() - start)
+    out: dict[str, Any] = {"stall_s": statistics.median(stalls), "durable_s": statistics.median(durable),
+                           "stalls": stalls, "durables": durable}
+    if ck.levels[1:]:
+        ck.wait(flush=True)
+        flushed = [r for r in ck.flush_records if r.committed and r.step > 0]
+        out.update(l2_durable_s=statistics.median(r.durable_s for r in flushed) if flushed else float("nan"),
+                   l2_lag_s=statistics.median(r.lag_s for r in flushed) if flushed else float("nan"),
+                   flushed=ck.counters["flushed"], flush_skipped=ck.counters["flush_skipped"],
+                   flush_bytes=ck.counters["flush_bytes"])
+    ck.close()
+    return out
+
+
+def bench_levels(size_mib: int, reps: int, workdir: str) -> tuple[dict[str, Any], str]:
+    """Figures and a markdown report of the set-ups (see the module docstring); no figures and a
+    note when moto is not installed (the rest of ``bench_save.py`` does not need it)."""
+    try:
+        import moto.server  # noqa: F401
+        import s3server
+    except ImportError as e:
+        return {}, f"multi-level section skipped: {e} (install the test extra: pip install 'ckpt-suite[test]')"
+
+    from ckpt_engine import Checkpointer
+    from ckpt_engine.storage import Storage
+
+    state = make_state(StateSpec(size_mib))
+    server = s3server.start()
+    saved_env = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
+    s3server.make_bucket(server, "bench")
+    run = uuid.uuid4().hex[:8]
+    raw = Storage(f"s3://bench/raw-{run}")
+    data = bytes(sum(t.numel() * t.element_size() for t in _tensors(state)))
+
+    def upload() -> None:
+        raw.write_stream("raw.bin", [data])
+
+    try:
+        with tempfile.TemporaryDirectory(dir=workdir) as local:
+            rows = {
+                "s3 direct": _run(Checkpointer(f"s3://bench/direct-{run}", keep_last=1), state, reps),
+                "local only": _run(Checkpointer(os.path.join(local, "one"), keep_last=1), state, reps),
+                "local only + raw upload": _run(Checkpointer(os.path.join(local, "ref"), keep_last=1), state, reps,
+                                                upload),
+                "local + s3": _run(Checkpointer(levels=[os.path.join(local, "l1"), f"s3://bench/l2-{run}"],
+                                                keep_last=1), state, reps),
+            }
+    finally:
+        server.stop()
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return rows, _report(rows, size_mib, reps)
+
+
+def _tensors(value: Any) -> list[Any]:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _report(rows: dict[str, Any], size_mib: int, reps: int) -> str:
+    direct, one, two = rows["s3 direct"], rows["local only"], rows["local + s3"]
+    ref = rows["local only + raw upload"]
+    lines = [f"## Multi-level: {size_mib} MiB, 1 process, median of {reps} saves (S3 = moto on loopback)", "",
+             "| set-up | stall ms | durable on level 1 s | durable on S3 s |", "|---|---|---|---|",
+             f"| s3 direct | {direct['stall_s'] * 1e3:.1f} | | {direct['durable_s']:.3f} |",
+             f"| local only | {one['stall_s'] * 1e3:.1f} | {one['durable_s']:.3f} | |",
+             f"| local only + raw upload beside | {ref['stall_s'] * 1e3:.1f} | {ref['durable_s']:.3f} | |",
+             f"| local + s3 | {two['stall_s'] * 1e3:.1f} | {two['durable_s']:.3f} | {two['l2_durable_s']:.3f} "
+             f"(flushed {two['flushed']}, skipped {two['flush_skipped']}) |", "",
+             f"- time to durable, level 1 ÷ straight to S3: **{two['durable_s'] / direct['durable_s']:.3f}**",
+             f"- training-side stall, two levels ÷ one level: **{two['stall_s'] / one['stall_s']:.2f}**; "
+             f"÷ one level with a raw upload beside (the same contention, without our code): "
+             f"**{two['stall_s'] / ref['stall_s']:.2f}**",
+             f"- time to durable on S3 through level 1 ÷ straight: {two['l2_durable_s'] / direct['durable_s']:.2f} "
+             "(includes waiting behind the previous flush)"]
+    return "\n".join(lines)

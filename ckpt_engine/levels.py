@@ -1,0 +1,242 @@
+"""Multi-level persistence: the levels of a checkpointer, fastest first, opened and checked together.
+
+Level 1 (the fast one, e.g. a node-local NVMe or RAM disk) receives the saves; every lower level
+(a parallel filesystem, an object store) receives copies from the flushers (flush.py). At start,
+in a few collectives on the training thread, the ranks find out whether level 1 is **shared**
+(every rank sees rank 0's probe file there) or **node-local**:
+
+* shared: level 1 has the ordinary layout and commit (rank 0 writes the manifest), exactly as a
+  single-level checkpointer would;
+* node-local: no process sees all of it, so each rank keeps its own files below
+  ``rank-NNNNN/`` and commits them itself with a sealed ``rank-commit.json`` (its index file's
+  checksum plus the manifest body rank 0 would write, without the rank table). The job-wide
+  commit that counts is the one on the shared lower level; a restore uses level 1 only when every
+  rank has the checkpoint there (restore_levels.py).
+
+Every lower level must be shared (rank 0 commits there), which the same probe checks.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Sequence
+
+import xxhash
+
+from .catalog import manifest_dirs, parse_dir
+from .comm import Comm
+from .commit import sweep
+from .config import LevelSpec
+from .errors import CheckpointError, FormatError
+from .flush import FLUSHING
+from .manifest import MANIFEST_NAME, Manifest, RankIndex, RankRecord, data_file, index_file, seal, unseal
+from .storage import Storage
+
+RANK_COMMIT = "rank-commit.json"
+"""On a node-local level 1: a rank's own commit of its files, written last."""
+_PROBE = ".tmp-probe-"
+
+
+def rank_dir(rank: int) -> str:
+    """The directory of ``rank``'s own files on a node-local level 1."""
+    return f"rank-{rank:05d}"
+
+
+def substorage(storage: Storage, name: str) -> Storage:
+    """The same storage (same class, same filesystem object) rooted at ``name`` below its root."""
+    sub = copy.copy(storage)
+    sub.root = storage.path(name)
+    sub.url = f"{storage.url.rstrip('/')}/{name}"
+    return sub
+
+
+def open_storage(spec: LevelSpec) -> Storage:
+    """The level's storage (a ``Storage`` given in code is used as it is)."""
+    return spec.path if isinstance(spec.path, Storage) else Storage(spec.path, dict(spec.storage_options))
+
+
+@dataclass(frozen=True)
+class Level:
+    """One opened level: ``storage`` is where this rank reads and writes it (node-local: its own subtree)."""
+
+    index: int
+    storage: Storage
+    keep_last: int | None
+    node_local: bool = False
+
+    @property
+    def marker(self) -> str:
+        """The file whose presence commits a directory on this level."""
+        return RANK_COMMIT if self.node_local else MANIFEST_NAME
+
+    @property
+    def name(self) -> str:
+        """How messages name it: ``level 1 (/local/run)``."""
+        return f"level {self.index + 1} ({self.storage.describe('').rstrip('/')})"
+
+
+# ---- a rank's own commit on a node-local level ------------------------------------------------------
+@dataclass(frozen=True)
+class RankCommit:
+    """``rank-commit.json``: one rank's files of one checkpoint are complete on a node-local level."""
+
+    step: int
+    rank: int
+    world_size: int
+    attempt: str
+    created_at: float
+    record: RankRecord
+    body: dict
+    """The manifest body without ``ranks`` (tensor table, state tree, ...): the same on every rank."""
+
+    def to_json(self) -> bytes:
+        doc = {"format_version": 1, "step": self.step, "rank": self.rank, "world_size": self.world_size,
+               "attempt": self.attempt, "created_at": self.created_at, "data_bytes": self.record.data_bytes,
+               "index_bytes": self.record.index_bytes, "index_xxh3": self.record.index_xxh3, "manifest": self.body}
+        return seal(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode())
+
+    @staticmethod
+    def from_json(raw: bytes, where: str) -> "RankCommit":
+        """Check the seal and fields; :class:`FormatError` / ``CorruptionError`` name ``where``."""
+        try:
+            d = json.loads(unseal(raw, where))
+            record = RankRecord(d["rank"], d["data_bytes"], d["index_bytes"], d["index_xxh3"])
+            rc = RankCommit(d["step"], d["rank"], d["world_size"], d["attempt"], float(d["created_at"]), record,
+                            d["manifest"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise FormatError(f"{where}: not a rank commit ({type(e).__name__}: {e})") from None
+        if d.get("format_version") != 1 or not isinstance(rc.body, dict) or rc.body.get("step") != rc.step:
+            raise FormatError(f"{where}: unknown format_version or inconsistent fields")
+        return rc
+
+    def manifest(self, records: Sequence[RankRecord], where: str) -> Manifest:
+        """The job-wide manifest, once every rank's record is known (validated like a read one)."""
+        ranks = [asdict(r) | {"data_file": data_file(r.rank), "index_file": index_file(r.rank)} for r in records]
+        body = dict(self.body, ranks=ranks)
+        return Manifest.from_json(seal(json.dumps(body, separators=(",", ":"), allow_nan=False).encode()), where)
+
+
+def write_rank_commit(storage: Storage, dirname: str, rank: int, template: Manifest) -> RankCommit:
+    """After ``rank``'s data and index files of ``dirname`` are durable: commit them on this rank."""
+    where = storage.describe(f"{dirname}/{index_file(rank)}")
+    raw = storage.read_bytes(f"{dirname}/{index_file(rank)}")
+    idx = RankIndex.from_json(raw, where)
+    body = json.loads(unseal(template.to_json(), where))
+    body.pop("ranks")
+    attempt = parse_dir(dirname)[1]  # type: ignore[index]
+    rc = RankCommit(template.step, rank, template.world_size, attempt, template.created_at,
+                    RankRecord(rank, idx.data_bytes, len(raw), xxhash.xxh3_64_hexdigest(raw)), body)
+    storage.write_atomic(f"{dirname}/{RANK_COMMIT}", rc.to_json())
+    return rc
+
+
+def local_catalog(storage: Storage) -> list[tuple[int, str, int]]:
+    """This rank's committed directories on a node-local level: ``(step, dirname, writers)``, sorted."""
+    out = []
+    for step, name in manifest_dirs(storage, marker=RANK_COMMIT):
+        try:
+            rc = RankCommit.from_json(storage.read_bytes(f"{name}/{RANK_COMMIT}"), storage.describe(name))
+        except CheckpointError:
+            continue  # damaged: never a candidate
+        out.append((step, name, rc.world_size))
+    return out
+
+
+def complete_everywhere(catalogs: Sequence[Sequence[Sequence[Any]]], world_size: int) -> list[tuple[int, str]]:
+    """Pure: the ``(step, dirname)`` every rank committed on its node-local level, by the same writers' world."""
+    common: set[tuple[int, str]] | None = None
+    for cat in catalogs:
+        mine = {(int(s), str(d)) for s, d, w in cat if int(w) == world_size}
+        common = mine if common is None else common & mine
+    return sorted(common or set())
+
+
+# ---- opening ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Opening:
+    """What :func:`open_levels` agreed on with the other ranks."""
+
+    levels: tuple[Level, ...]
+    generation: str
+    complete: tuple[tuple[int, str], ...]
+    """Node-local level 1: the checkpoints every rank has there (at start)."""
+    recover: tuple[str | None, ...]
+    """Per lower level: the newest level-1 checkpoint it lacks (a flush a crash cut short), to flush again."""
+
+
+def open_levels(specs: Sequence[LevelSpec], comm: Comm, new_generation: Callable[[], str]) -> Opening:
+    """Open every level on every rank (a collective: broadcast, all-gather, broadcast).
+
+    Rank 0 writes a probe file on every level; each rank reports which it sees. Then the sweeps
+    (rank 0 on shared levels, each rank on its own node-local files) and the stale ``flushing``
+    decisions are removed before the last collective, so no rank writes anything before that.
+    """
+    rank, world = comm.rank, comm.world_size
+    storages = [open_storage(s) for s in specs]
+    for i, s in enumerate(storages):
+        if s.protocol == "memory" and world > 1:
+            raise CheckpointError(f"levels[{i}] ({s.describe('')}): memory:// lives in one process and cannot hold "
+                                  f"a checkpoint of {world} ranks; use a filesystem or object store")
+    generation = None
+    if rank == 0:
+        generation = new_generation()
+        for s in storages:
+            s.makedirs("")
+            if world > 1:
+                s.write_atomic(f"{_PROBE}{generation}", b"", durable=False)
+    generation = comm.broadcast(generation)
+    shared, catalogs = [True] * len(storages), [[]]
+    if world > 1:
+        seen = [s.exists(f"{_PROBE}{generation}") for s in storages]
+        own = local_catalog(substorage(storages[0], rank_dir(rank)))
+        views = comm.all_gather({"seen": seen, "local": own})
+        shared = [all(v["seen"][i] for v in views) for i in range(len(storages))]
+        catalogs = [v["local"] for v in views]
+        if rank == 0:
+            for s in storages:
+                s.remove(f"{_PROBE}{generation}")
+        unseen = [i for i in range(1, len(storages)) if not shared[i]]
+        if unseen:
+            i = unseen[0]
+            blind = [r for r, v in enumerate(views) if not v["seen"][i]]
+            raise CheckpointError(f"levels[{i}] ({storages[i].describe('')}): ranks {blind} do not see rank 0's files "
+                                  "there; every level after the first must be storage all ranks share")
+    node_local = not shared[0]
+    levels = tuple(Level(i, substorage(s, rank_dir(rank)) if i == 0 and node_local else s, spec.keep_last,
+                         i == 0 and node_local) for i, (s, spec) in enumerate(zip(storages, specs)))
+    if node_local:
+        levels[0].storage.makedirs("")
+        sweep(levels[0].storage, RANK_COMMIT)
+    complete = complete_everywhere(catalogs, world) if node_local else []
+    recover: list[str | None] = []
+    if rank == 0:
+        for level in levels if not node_local else levels[1:]:
+            sweep(level.storage)
+        for level in levels[1:]:
+            level.storage.remove(FLUSHING)
+        recover = [_to_recover(levels[0], level, complete, world) for level in levels[1:]]
+    recover = comm.broadcast(recover)  # also: every sweep is done before any rank writes
+    return Opening(levels, generation, tuple((int(s), str(d)) for s, d in complete), tuple(recover))
+
+
+def _to_recover(fast: Level, lower: Level, complete: Sequence[tuple[int, str]], world: int) -> str | None:
+    """The newest checkpoint of level 1, when ``lower`` has no checkpoint of that step and it was
+    written by this many ranks (each rank copies its own files)."""
+    if fast.node_local:
+        newest = max(complete, default=None)
+    else:
+        found = manifest_dirs(fast.storage)
+        newest = found[-1] if found else None
+        if newest is not None:
+            try:
+                manifest = Manifest.from_json(fast.storage.read_bytes(f"{newest[1]}/{MANIFEST_NAME}"), newest[1])
+            except CheckpointError:
+                return None
+            if manifest.world_size != world:
+                return None
+    below = manifest_dirs(lower.storage)
+    if newest is None or (below and below[-1][0] >= newest[0]):
+        return None
+    return newest[1]

@@ -1,0 +1,241 @@
+"""Restore across levels: the newest checkpoint that verifies, from the fastest level that has it.
+
+Order of calls: every rank calls :func:`load_levels` together (it is a collective when there are
+several ranks, on the training thread):
+
+1. one all-gather: rank 0 lists the shared levels; each rank lists its own node-local level-1
+   commits. Every rank then computes the same candidate list (:func:`candidates`): newest step
+   first, the fastest level first on a tie; a node-local level-1 copy only when every rank has it;
+2. each candidate is read and verified while read (never read twice), then one all-gather of
+   "did it verify" moves all ranks to the next candidate together when any rank failed: a copy
+   of the same step on a slower level always, an older step only with ``fallback=True``.
+
+A shared level is read as a single-level checkpoint is (each rank reads the whole state). A
+node-local level 1 holds only this rank's slices, so each rank reads and verifies its own data
+file, then the ranks exchange the bytes over the communicator in rounds of ``EXCHANGE`` bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+import xxhash
+
+from .comm import Comm
+from .errors import CheckpointError, CorruptionError, FormatError, NoCheckpointError
+from .transfer import StreamCheck
+from .catalog import manifest_dirs
+from .levels import RANK_COMMIT, Level, RankCommit, local_catalog
+from .manifest import RankIndex, RankRecord, check_coverage, data_file, index_file
+from .multilevel import MultiLevel
+from .restore import Opened, open_checkpoint, read_state
+from .storage import Storage
+from .values import decode, parse_dtype
+
+EXCHANGE = 64 << 20
+"""Bytes each rank contributes per round when rebuilding the state from node-local copies."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A copy of a checkpoint on one level."""
+
+    level: int
+    step: int
+    dirname: str
+    node_local: bool = False
+
+
+def candidates(shared: Mapping[int, Sequence[Sequence[Any]]], local: Sequence[Sequence[Sequence[Any]]] | None,
+               world_size: int, step: int | None = None) -> list[Candidate]:
+    """Pure: every copy to try, in order (newest step, then fastest level, then newest attempt).
+
+    ``shared``: per shared level, its ``(step, dirname)`` with a manifest. ``local``: per rank,
+    its node-local level-1 ``(step, dirname, writers)``; such a copy counts only when every rank
+    lists it and it was written by ``world_size`` ranks (rank ``r`` holds writer ``r``'s files).
+    """
+    found = [Candidate(level, int(s), str(d)) for level, dirs in shared.items() for s, d in dirs]
+    if local:
+        common = set.intersection(*({(int(s), str(d)) for s, d, w in cat if int(w) == world_size} for cat in local))
+        found += [Candidate(0, s, d, True) for s, d in common]
+    if step is not None:
+        found = [c for c in found if c.step == step]
+    return sorted(found, key=lambda c: (-c.step, c.level, tuple(-ord(ch) for ch in c.dirname)))
+
+
+@dataclass
+class Loaded:
+    """What :func:`load_levels` read: the state and where it came from."""
+
+    state: Any
+    level: int
+    opened: Opened
+    storage: Storage
+    locals: dict[int, Any] | None = None
+    """Node-local copies: the ``local`` of this rank and of writer 0 (the only ones at hand)."""
+
+
+def load_levels(ml: MultiLevel, comm: Comm, step: int | None, fallback: bool, threads: int,
+                failures: list[str]) -> Loaded:
+    """Every rank: the newest checkpoint (or ``step``) that verifies on all ranks; see the module docstring.
+
+    Appends what failed to ``failures``. Raises :class:`NoCheckpointError` when no level has one.
+    """
+    found = _agree(ml, comm, step)
+    if not found:
+        which = "" if step is None else f" of step {step}"
+        raise NoCheckpointError(f"no committed checkpoint{which} on any level "
+                                f"({', '.join(level.name for level in ml.levels)}); committed steps: {ml.steps()}")
+    own_error: Exception | None = None
+    for c in found:
+        if c.step != found[0].step and not fallback:
+            break
+        level = ml.levels[c.level]
+        try:
+            attempt = _read_local_copy(level, c, comm.rank) if c.node_local else _read_shared(level, c, threads)
+            report = attempt.report
+        except Exception as e:  # noqa: BLE001 - reported to the other ranks first, so that none waits forever
+            own_error, attempt, report = own_error or e, None, {"ok": False, "error": f"rank {comm.rank}: {e}"}
+        reports = comm.all_gather(report) if comm.world_size > 1 else [report]
+        bad = [r["error"] for r in reports if not r["ok"]]
+        if not bad:
+            try:
+                return attempt.finish(comm, reports) if c.node_local else attempt.loaded  # type: ignore[union-attr]
+            except CheckpointError as e:  # the same on every rank: it depends on the gathered reports only
+                own_error, bad = own_error or e, [str(e)]
+        failures.extend(f"{level.name} {c.dirname}: {b}" for b in bad)
+    if own_error is not None:
+        raise own_error
+    raise CorruptionError("no checkpoint verifies on every rank: " + "; ".join(failures))
+
+
+def _agree(ml: MultiLevel, comm: Comm, step: int | None) -> list[Candidate]:
+    """One all-gather: rank 0's view of the shared levels and every rank's node-local commits."""
+    mine: dict[str, Any] = {"local": local_catalog(ml.fast.storage) if ml.node_local else []}
+    if comm.rank == 0:
+        mine["shared"] = [[level.index, manifest_dirs(level.storage, step)] for level in ml.levels
+                          if not level.node_local]
+    views = comm.all_gather(mine) if comm.world_size > 1 else [mine]
+    shared = {int(i): dirs for i, dirs in views[0]["shared"]}
+    return candidates(shared, [v["local"] for v in views] if ml.node_local else None, comm.world_size, step)
+
+
+# ---- a shared level ---------------------------------------------------------------------------------
+@dataclass
+class _Shared:
+    loaded: Loaded
+    report: dict
+
+
+def _read_shared(level: Level, c: Candidate, threads: int) -> _Shared:
+    opened = open_checkpoint(level.storage, c.dirname)
+    state = read_state(level.storage, opened, threads)
+    return _Shared(Loaded(state, level.index, opened, level.storage), {"ok": True})
+
+
+# ---- a node-local level 1 -----------------------------------------------------------------------------
+@dataclass
+class _LocalCopy:
+    """This rank's verified part of a node-local checkpoint, before the exchange."""
+
+    level: Level
+    dirname: str
+    rank: int
+    data: np.ndarray
+    report: dict
+
+    def finish(self, comm: Comm, reports: Sequence[dict]) -> Loaded:
+        """Build the manifest from every rank's report, then exchange the bytes and decode."""
+        where = self.level.storage.describe(self.dirname)
+        rc = RankCommit.from_json(base64.b64decode(reports[0]["commit"]), f"{where} (rank 0's {RANK_COMMIT})")
+        records = [RankRecord(r, *rep["record"]) for r, rep in enumerate(reports)]
+        manifest = rc.manifest(records, where)
+        indexes = tuple(RankIndex.from_json(rep["index"].encode(), f"{where} ({index_file(r)})")
+                        for r, rep in enumerate(reports))
+        for r, idx in enumerate(indexes):
+            expected = (manifest.step, r, manifest.world_size, rc.attempt)
+            if (idx.step, idx.rank, idx.world_size, idx.attempt) != expected:
+                raise FormatError(f"{where}: {index_file(r)} of rank {r} belongs to another checkpoint")
+        check_coverage(manifest, indexes, lambda r: f"{where} ({index_file(r)})")
+        tensors = [torch.empty(t.shape, dtype=parse_dtype(t.dtype)) for t in manifest.tensors]
+        keep = sorted({self.rank, 0})
+        local_tensors = {r: [torch.empty(t.shape, dtype=parse_dtype(t.dtype)) for t in indexes[r].local_tensors]
+                         for r in keep}
+        targets = [_targets(idx, tensors, local_tensors.get(idx.rank)) for idx in indexes]
+        rounds = -(-max(idx.data_bytes for idx in indexes) // EXCHANGE)
+        for k in range(rounds):
+            lo = k * EXCHANGE
+            for r, part in enumerate(_gather_bytes(comm, self.data[lo:lo + EXCHANGE])):
+                _place(targets[r], lo, part)
+        state = decode(manifest.state, tensors.__getitem__)
+        locals_ = {r: decode(indexes[r].local, local_tensors[r].__getitem__) for r in keep}
+        return Loaded(state, self.level.index, Opened(self.dirname, manifest, indexes), self.level.storage, locals_)
+
+
+def _read_local_copy(level: Level, c: Candidate, rank: int) -> _LocalCopy:
+    """Read and verify this rank's marker, index and whole data file (one pass)."""
+    storage, dirname = level.storage, c.dirname
+    marker_raw = storage.read_bytes(f"{dirname}/{RANK_COMMIT}")
+    rc = RankCommit.from_json(marker_raw, storage.describe(f"{dirname}/{RANK_COMMIT}"))
+    where = storage.describe(f"{dirname}/{index_file(rank)}")
+    raw = storage.read_bytes(f"{dirname}/{index_file(rank)}")
+    if len(raw) != rc.record.index_bytes or xxhash.xxh3_64_hexdigest(raw) != rc.record.index_xxh3 or rc.rank != rank:
+        raise CorruptionError(f"{where}: checksum mismatch (the index file was modified or replaced)")
+    idx = RankIndex.from_json(raw, where)
+    data_where = storage.describe(f"{dirname}/{data_file(rank)}")
+    size = storage.size(f"{dirname}/{data_file(rank)}")
+    if size != idx.data_bytes:
+        raise CorruptionError(f"{data_where}: {'missing' if size is None else f'{size} bytes'}, "
+                              f"{idx.data_bytes} expected (truncated or replaced)")
+    data = np.empty(idx.data_bytes, dtype=np.uint8)
+    check = StreamCheck(idx, data_where)
+    with storage.reader(f"{dirname}/{data_file(rank)}") as reader:
+        view = memoryview(data)
+        reader.read_into(0, view)
+        check.feed(view)
+    check.finish()
+    report = {"ok": True, "record": [idx.data_bytes, len(raw), rc.record.index_xxh3], "index": raw.decode(),
+              "commit": base64.b64encode(marker_raw).decode() if rank == 0 else None}
+    return _LocalCopy(level, dirname, rank, data, report)
+
+
+_Target = tuple[int, int, np.ndarray]
+"""Where one entry's bytes go: (offset in the sender's data file, byte count, destination bytes)."""
+
+
+def _targets(idx: RankIndex, tensors: Sequence[torch.Tensor], local: Sequence[torch.Tensor] | None) -> list[_Target]:
+    """The sender's entries this rank keeps (all replicated ones; its locals if kept), by offset."""
+    out = []
+    for e in sorted(idx.entries, key=lambda e: e.offset):
+        if e.local and local is None:
+            continue
+        t = (local if e.local else tensors)[e.tensor]  # type: ignore[index]
+        dest = t.reshape(-1).view(torch.uint8).numpy()[e.start * t.element_size():e.stop * t.element_size()]
+        out.append((e.offset, e.nbytes, dest))
+    return out
+
+
+def _place(targets: Sequence[_Target], lo: int, part: np.ndarray) -> None:
+    """Copy the part of bytes ``[lo, lo + len(part))`` of a sender's file into the entries it overlaps."""
+    hi = lo + len(part)
+    for offset, nbytes, dest in targets:
+        start, stop = max(offset, lo), min(offset + nbytes, hi)
+        if start < stop:
+            dest[start - offset:stop - offset] = part[start - lo:stop - lo]
+
+
+def _gather_bytes(comm: Comm, data: np.ndarray) -> list[np.ndarray]:
+    """Every rank's ``data`` (uint8, any lengths), by rank: tensors when the communicator can
+    (``all_gather_tensor``), else base64 over its JSON all-gather (slow, but any ``Comm`` works)."""
+    if comm.world_size == 1:
+        return [data]
+    gather = getattr(comm, "all_gather_tensor", None)
+    if gather is not None:
+        tensor = torch.from_numpy(np.ascontiguousarray(data)) if len(data) else torch.empty(0, dtype=torch.uint8)
+        return [t.numpy() for t in gather(tensor)]
+    texts = comm.all_gather(base64.b64encode(data.tobytes()).decode())
+    return [np.frombuffer(base64.b64decode(t), dtype=np.uint8) for t in texts]

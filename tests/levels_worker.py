@@ -1,0 +1,95 @@
+"""One rank of a real multi-process job with two persistence levels (gloo, CPU), driven by test_levels.py.
+
+Usage: ``python levels_worker.py MODE L1 L2 OUT [STEPS]`` with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT
+in the environment. ``L1`` may contain ``{rank}`` (a node-local level: each rank its own directory);
+``L2`` may be ``-`` (one level only, for comparisons). Environment: ``SLOW_L2`` seconds of sleep
+before every data-file write on level 2, ``KEEP_L1`` / ``KEEP_L2`` (retention per level). Modes:
+
+* ``save``: save ``make_state(s)`` for s in 1..STEPS, ``wait()`` after each (level-1 commit),
+  rank 0 noting level 2's newest step each time; then ``close()`` (waits for the flushes);
+* ``load``: ``load()`` (a collective here), write digests and the level it came from;
+* ``crashloop``: wait for the restart's flush, print ``recovered <level-2 newest>``, then save
+  every step until SIGKILLed, printing ``committed <step>``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from ckpt_engine import Checkpointer, TorchDistComm  # noqa: E402
+from ckpt_engine.catalog import manifest_dirs  # noqa: E402
+from ckpt_engine.storage import Storage  # noqa: E402
+from dist_worker import digest, make_local, make_state  # noqa: E402
+
+
+class SlowStorage(Storage):
+    """The real storage, sleeping ``SLOW_L2`` seconds before each data-file write (a slow remote level)."""
+
+    delay = float(os.environ.get("SLOW_L2", "0"))
+
+    def write_stream(self, rel, chunks, **kw):
+        if rel.endswith(".bin") and self.delay:
+            time.sleep(self.delay)
+        return super().write_stream(rel, chunks, **kw)
+
+
+def levels(l1: str, l2: str, rank: int) -> list:
+    out: list = [{"path": l1.format(rank=rank), "keep_last": int(os.environ.get("KEEP_L1", "2"))}]
+    if l2 != "-":
+        out.append({"path": SlowStorage(l2), "keep_last": int(os.environ.get("KEEP_L2", "3"))})
+    return out
+
+
+def newest(storage: Storage) -> int | None:
+    found = manifest_dirs(storage)
+    return found[-1][0] if found else None
+
+
+def main() -> None:
+    mode, l1, l2, out = sys.argv[1:5]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.set_num_threads(1)  # several ranks share 2 cores in tests
+    ck = Checkpointer(levels=levels(l1, l2, rank), comm=TorchDistComm())
+    result: dict = {"rank": rank, "node_local": bool(ck._multi and ck._multi.node_local)}
+    if mode == "save":
+        seen = []
+        for step in range(1, int(sys.argv[5]) + 1):
+            ck.save(make_state(step), step, make_local(step, rank))
+            ck.wait()
+            if rank == 0 and len(ck.levels) > 1:
+                seen.append([step, newest(ck.levels[1])])
+        ck.close()
+        result.update(seen=seen, counters=dict(ck.counters), stalls=[r.stall_s for r in ck.records],
+                      flushes=[r.__dict__ for r in ck.flush_records])
+    elif mode == "load":
+        state = ck.load()
+        result.update(state=digest(state), step=ck.loaded_manifest.step, level=ck.loaded_level,
+                      local=digest(ck.load_local()), local0=digest(ck.load_local(rank=0)),
+                      failures=ck.load_failures)
+        ck.close()
+    elif mode == "crashloop":
+        ck.wait(flush=True)
+        print(f"recovered {newest(ck.levels[1])} {ck.latest_step()}", flush=True)
+        step = ck.latest_step() or 0
+        while True:
+            step += 1
+            ck.save(make_state(step), step, make_local(step, rank))
+            ck.wait()
+            print(f"committed {step}", flush=True)
+    with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
