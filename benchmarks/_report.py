@@ -15,7 +15,7 @@ from _common import MiB, gbps
 
 PEERS = {"torch_save": "torch.save", "lightning": "Lightning AsyncCheckpointIO",
          "dcp_save": "DCP save", "dcp_async": "DCP async_save"}
-ORDER = ("memcpy", "raw_write", "raw_read", "ours", *PEERS)
+ORDER = ("memcpy", "raw_write", "raw_write_direct", "raw_read", "ours", *PEERS)
 LOAD_PEERS = {"torch_save": "torch.load", "dcp_save": "DCP load"}
 Agg = dict[str, dict[str, float]]
 MEM_SLACK_MIB = 4
@@ -82,17 +82,23 @@ def world_rows(world: int, agg: Agg) -> list[Row]:
     share = ours["share_bytes"]
     stall_peers = {PEERS[p]: agg[p]["stall_s"] * 1e3 for p in PEERS if "stall_s" in agg[p]}
     memcpy = ("memcpy of share", agg["memcpy"]["stall_s"] * 1e3)
-    raw_w, raw_r = agg["raw_write"], agg["raw_read"]
+    raw_r = agg["raw_read"]
+    # The write limit: the faster of a buffered and a direct (O_DIRECT) raw write of the same bytes.
+    kinds = [("raw write+fsync", agg["raw_write"])]
+    if "raw_write_direct" in agg:
+        kinds.append(("raw O_DIRECT write+fsync", agg["raw_write_direct"]))
+    raw_name, raw_w = min(kinds, key=lambda k: k[1]["total_s"])
+    first_name, raw_first = min(kinds, key=lambda k: k[1]["total_first_s"])
     return [
         _row(w, "stall, steady state (best of saves 2..N)", "ms", ours["stall_s"] * 1e3, memcpy, stall_peers,
              True, "≤ 1.10 × limit", lambda o, lim: o <= 1.10 * lim),
         _row(w, "stall, first save", "ms", ours["stall_first_s"] * 1e3, memcpy, stall_peers, True, "info", None),
-        _row(w, "time to committed (steady)", "s", ours["total_s"], ("raw write+fsync", raw_w["total_s"]),
+        _row(w, "time to committed (steady)", "s", ours["total_s"], (raw_name, raw_w["total_s"]),
              {PEERS[p]: agg[p]["total_s"] for p in PEERS if "total_s" in agg[p]}, True, "info", None),
         _row(w, "time to committed, first save", "s", ours["total_first_s"],
-             ("raw write+fsync, first", raw_w["total_first_s"]), {}, True, "info", None),
+             (f"{first_name}, first", raw_first["total_first_s"]), {}, True, "info", None),
         _row(w, "persist throughput of rank share", "GB/s", gbps(share, ours["total_s"]),
-             ("raw write+fsync", gbps(raw_w["bytes"], raw_w["total_s"])),
+             (raw_name, gbps(raw_w["bytes"], raw_w["total_s"])),
              {PEERS[p]: gbps(total // world, agg[p]["total_s"]) for p in PEERS if "total_s" in agg[p]},
              False, "≥ 0.90 × limit", lambda o, lim: o >= 0.90 * lim),
         _row(w, "restore throughput (whole state per rank)", "GB/s", gbps(total, ours["load_s"]),

@@ -47,7 +47,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _levels import bench_levels  # noqa: E402
 from _common import (MemProbe, Metrics, RankCtx, StateSpec, best_of, byte_view, make_state,  # noqa: E402
-                     read_into, share_slices, state_bytes, states_equal, summary, timed, write_fsync)
+                     read_into, share_slices, state_bytes, states_equal, summary, timed, write_fsync,
+                     aligned_copy)
 from _peers import bench_dcp_async, bench_dcp_save, bench_lightning, bench_torch_save  # noqa: E402
 from _report import write_report  # noqa: E402
 
@@ -100,13 +101,15 @@ class RawWriter:
     """``os.write`` + ``fsync`` of the share to a new file per call; the oldest beyond ``KEEP_LAST``
     is deleted after the write, as ours deletes after its commit (see ``KEEP_LAST`` for why)."""
 
-    def __init__(self, ctx: RankCtx, data: memoryview) -> None:
-        self.ctx, self.data, self.files = ctx, data, []
+    def __init__(self, ctx: RankCtx, data: memoryview, direct: bool = False) -> None:
+        self.ctx, self.files, self.direct = ctx, [], direct
+        self.data = aligned_copy(data) if direct else data
+        self.tag = "rawd" if direct else "raw"
 
     def write(self) -> float:
         """Seconds to write and ``fsync`` one file."""
-        path = self.ctx.path(f"raw-{self.ctx.rank}-{len(self.files)}.bin")
-        seconds = timed(lambda: write_fsync(path, [self.data]))[0]
+        path = self.ctx.path(f"{self.tag}-{self.ctx.rank}-{len(self.files)}.bin")
+        seconds = timed(lambda: write_fsync(path, [self.data], self.direct))[0]
         self.files.append(path)
         if len(self.files) > KEEP_LAST:
             os.unlink(self.files[-KEEP_LAST - 1])
@@ -116,7 +119,10 @@ class RawWriter:
         """Leave only the newest file, as ``raw-<rank>.bin`` for the raw read."""
         for path in self.files[-KEEP_LAST:-1]:
             os.unlink(path)
-        os.replace(self.files[-1], self.ctx.path(f"raw-{self.ctx.rank}.bin"))
+        if self.direct:
+            os.unlink(self.files[-1])
+        else:
+            os.replace(self.files[-1], self.ctx.path(f"raw-{self.ctx.rank}.bin"))
 
 
 def bench_raw_read(ctx: RankCtx) -> Metrics:
@@ -148,8 +154,9 @@ def bench_ours(ctx: RankCtx) -> dict[str, Metrics]:
 
     buf, copy = gather_share(ctx)
     raw = RawWriter(ctx, byte_view(buf))
+    rawd = RawWriter(ctx, byte_view(buf), direct=True)  # the page cache bypassed, as ours writes
     ck = Checkpointer(ctx.path("ours"), comm=TorchDistComm() if ctx.world > 1 else LocalComm(), keep_last=KEEP_LAST)
-    probe, memcpy, writes, saves = MemProbe(), [], [], []
+    probe, memcpy, writes, dwrites, saves = MemProbe(), [], [], [], []
 
     def save() -> None:
         ctx.barrier()
@@ -165,12 +172,18 @@ def bench_ours(ctx: RankCtx) -> dict[str, Metrics]:
         ctx.barrier()
         writes.append(raw.write())
 
+    def dwrite() -> None:
+        ctx.barrier()
+        dwrites.append(rawd.write())
+
+    order = (write, dwrite, save)
     for step in range(ctx.reps):
         ctx.barrier()
         memcpy.append(timed(copy)[0])
-        for fn in ((write, save) if step % 2 == 0 else (save, write)):
+        for fn in order[step % 3:] + order[:step % 3]:
             fn()
     raw.finish()
+    rawd.finish()
     load_s, ok = best_load(ctx, ck.load)
     ck.close()
     ctx.remove("ours")
@@ -178,6 +191,8 @@ def bench_ours(ctx: RankCtx) -> dict[str, Metrics]:
     return {"memcpy": {"stall_s": min(memcpy), "share_bytes": buf.numel(), **_numbered(memcpy)},
             "raw_write": {"total_first_s": writes[0], "total_s": min(writes[1:] or writes), "bytes": buf.numel(),
                           **_numbered(writes)},
+            "raw_write_direct": {"total_first_s": dwrites[0], "total_s": min(dwrites[1:] or dwrites),
+                                 "bytes": buf.numel(), **_numbered(dwrites)},
             "ours": ours}
 
 

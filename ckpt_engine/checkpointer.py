@@ -33,6 +33,8 @@ from typing import Any, Literal, Sequence
 from . import catalog
 from .catalog import dir_name
 from .comm import Comm, LocalComm
+from .progress import Bar
+from .progress import wanted as progress_wanted
 from .commit import CommitInputs, retain, sweep, wait_for_commit, write_abort
 from .config import CheckpointConfig, level_specs
 from .errors import CheckpointError, CheckpointWarning, CorruptionError, NoCheckpointError
@@ -113,6 +115,10 @@ class Checkpointer:
         flush_retries: attempts per checkpoint and lower level before a flush failure is kept
             and raised by the next ``wait()`` / ``close()`` (each failure is counted in
             ``counters["flush_failed"]``; transient storage errors are retried below that).
+        readonly: only read (``load``, ``steps``...): no start-up sweep, ``save`` refused. A
+            writable ``Checkpointer`` is an incarnation of the job that owns ``path``: at start it
+            removes uncommitted attempts, which, if that job is still running, are its checkpoints
+            in progress. Open a running job's checkpoints with ``readonly=True`` (or the ``ckpt`` CLI).
     """
 
     def __init__(self, path: "str | Storage | None" = None, *, levels: "Sequence[Any] | None" = None,
@@ -120,7 +126,7 @@ class Checkpointer:
                  storage_options: dict[str, Any] | None = None, max_inflight: int = 1,
                  on_busy: Literal["wait", "skip"] = "wait", on_error: Literal["raise", "warn"] = "raise",
                  commit_timeout: float = 600.0,
-                 read_threads: int | None = None, flush_retries: int = 3) -> None:
+                 read_threads: int | None = None, flush_retries: int = 3, readonly: bool = False) -> None:
         if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
             raise ValueError(f"keep_last must be a positive integer or None, got {keep_last!r}")
         if on_busy not in ("wait", "skip"):
@@ -132,6 +138,10 @@ class Checkpointer:
         if type(flush_retries) is not int or flush_retries < 1:
             raise ValueError(f"flush_retries must be a positive integer, got {flush_retries!r}")
         specs = level_specs(path, levels, storage_options, keep_last)
+        if readonly and len(specs) > 1:
+            raise CheckpointError("readonly=True takes one path: open the level to read directly "
+                                  "(e.g. Checkpointer(levels[-1], readonly=True))")
+        self.readonly = readonly
         self.comm: Comm = comm if comm is not None else LocalComm()
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.on_busy, self.on_error = on_busy, on_error
@@ -147,7 +157,7 @@ class Checkpointer:
             if self.storage.protocol == "memory" and self.world_size > 1:
                 raise CheckpointError(f"{path!r}: memory:// lives in one process and cannot hold a checkpoint of "
                                       f"{self.world_size} ranks; use a shared filesystem or object store")
-            if self.rank == 0:
+            if self.rank == 0 and not readonly:
                 self.storage.makedirs("")
                 sweep(self.storage)
             # One collective at start: names this incarnation's attempts and orders them after the sweep.
@@ -201,6 +211,9 @@ class Checkpointer:
         Every rank must call it for the same steps, in the same order.
         """
         self._check_open()
+        if self.readonly:
+            raise CheckpointError(f"{self.storage.describe('')} was opened with readonly=True; open it "
+                                  "without to save (as the one job that writes this path)")
         self._raise_background_error()
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -318,7 +331,7 @@ class Checkpointer:
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def load(self, step: int | None = None, *, fallback: bool = False) -> Any:
+    def load(self, step: int | None = None, *, fallback: bool = False, progress: bool = False) -> Any:
         """The replicated state of the newest committed checkpoint (or of ``step``), on CPU.
 
         Every byte read is verified; a mismatch raises :class:`CorruptionError` naming the file
@@ -329,6 +342,8 @@ class Checkpointer:
         Multi-level: every level is considered, the newest step first and the fastest level
         first on a tie; a copy that fails verification falls back to the same step on the next
         level (older steps only with ``fallback=True``); with several ranks this is a collective.
+
+        ``progress=True`` draws a byte progress bar on stderr when it is a terminal (rank 0).
         """
         if self._multi is not None:
             self.load_failures = []
@@ -344,7 +359,10 @@ class Checkpointer:
         for _, dirname in reversed(found):
             try:
                 opened = open_checkpoint(self.storage, dirname)
-                state = read_state(self.storage, opened, self.read_threads)
+                total = sum(e.nbytes for idx in opened.indexes for e in idx.entries if not e.local)
+                with Bar(total, f"load step {opened.manifest.step}",
+                         progress and self.rank == 0 and progress_wanted()) as bar:
+                    state = read_state(self.storage, opened, self.read_threads, bar.update)
             except CheckpointError as e:
                 if not fallback or isinstance(e, NoCheckpointError):
                     raise

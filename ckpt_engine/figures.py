@@ -28,10 +28,49 @@ def figure_row(rec: SaveRecord, policy_figures: Mapping[str, Any]) -> dict[str, 
 
 
 def write_figure_row(storage: Storage, row: Mapping[str, Any]) -> None:
-    """Append ``row`` to ``figures.jsonl`` (local roots) or write ``figures/step-*.json``."""
+    """Append ``row`` to ``figures.jsonl`` (local roots) or write ``figures/step-*.json`` (a flush
+    row: ``figures/step-*-level-*.json``)."""
     line = json.dumps(dict(row)).encode() + b"\n"
     if storage.local:
         with open(os.path.join(storage.root, "figures.jsonl"), "ab") as f:
             f.write(line)
     else:
-        storage.write_atomic(f"figures/step-{row['step']:012d}.json", line)
+        level = f"-level-{row['level']}" if row.get("kind") == "flush" else ""
+        storage.write_atomic(f"figures/step-{row['step']:012d}{level}.json", line)
+
+
+class FigureReporter:
+    """Rank 0's bookkeeping of the figures a front end still has to report.
+
+    ``track`` each save record after ``Checkpointer.save``; ``collect`` (after every step, cheap
+    when nothing finished) returns the rows of saves that finished since the last call, and of
+    flushes to lower levels (``"kind": "flush"``), each already written beside the checkpoints.
+    """
+
+    def __init__(self, ck: Any, policy: Any) -> None:
+        self.ck, self.policy = ck, policy
+        self._saves: list[SaveRecord] = []
+        self._flushes_seen: set[int] = set()
+
+    def track(self, rec: SaveRecord) -> None:
+        """Report ``rec`` once its save finished (committed, failed or skipped)."""
+        self._saves.append(rec)
+
+    def collect(self) -> list[dict[str, Any]]:
+        """Rows of what finished since the last call, written to ``figures.jsonl`` (or objects)."""
+        rows: list[dict[str, Any]] = []
+        done = [r for r in self._saves if r.finished_at or r.skipped]
+        if done:
+            self._saves = [r for r in self._saves if not (r.finished_at or r.skipped)]
+            figures = self.policy.figures()
+            rows += [{"kind": "save", **figure_row(rec, figures)} for rec in done]
+        flushes = list(getattr(self.ck, "flush_records", ()))
+        current = {id(f) for f in flushes}
+        self._flushes_seen &= current
+        for f in flushes:
+            if id(f) not in self._flushes_seen and (f.committed or f.skipped or f.error):
+                self._flushes_seen.add(id(f))
+                rows.append({"kind": "flush", **f.row(), "time": time.time()})
+        for row in rows:
+            write_figure_row(self.ck.storage, row)
+        return rows

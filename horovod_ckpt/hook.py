@@ -29,7 +29,7 @@ import yaml
 from ckpt_engine import Checkpointer, CheckpointError
 from ckpt_engine.comm import Comm
 from ckpt_engine.config import CheckpointConfig
-from ckpt_engine.figures import figure_row, write_figure_row
+from ckpt_engine.figures import FigureReporter
 from ckpt_engine.resumable import make_resumable, rng_state, set_rng_state
 from ckpt_engine.schedule import Schedule
 
@@ -98,7 +98,7 @@ class HorovodCheckpointer:
         the same number of ranks; with another number, the completed batches of the new split)."""
         self.resumed_from: int | None = None
         self._last_saved: int | None = None
-        self._unreported: list[Any] = []
+        self._figures = FigureReporter(self.ck, self.policy)  # rank 0: saves and flushes not yet reported
         self._closed = False
 
     @property
@@ -195,18 +195,13 @@ class HorovodCheckpointer:
         self.ck.save(state, self.step, local)
         self._last_saved = self.step
         if self.rank == 0 and self.ck.records:
-            self._unreported.append(self.ck.records[-1])
+            self._figures.track(self.ck.records[-1])
 
     # ---- figures ------------------------------------------------------------------------------
     def _report(self) -> None:
-        done = [r for r in self._unreported if r.finished_at or r.skipped]
-        if not done:
+        if self.rank != 0:
             return
-        self._unreported = [r for r in self._unreported if not (r.finished_at or r.skipped)]
-        figures = self.policy.figures()
-        for rec in done:
-            row = figure_row(rec, figures)
-            write_figure_row(self.ck.storage, row)
+        for row in self._figures.collect():
             if self.on_figures is not None:
                 self.on_figures(row)
 
@@ -244,12 +239,8 @@ class HorovodCheckpointer:
 
 
 def make_checkpointer(config: CheckpointConfig, comm: Comm, **kwargs: Any) -> Checkpointer:
-    """The engine's checkpointer for ``config`` (``levels`` included where the core has them)."""
-    from_config = getattr(Checkpointer, "from_config", None)
-    if from_config is not None:
-        return from_config(config, comm=comm, **kwargs)
-    return Checkpointer(config.location, comm=comm, keep_last=config.keep_last,
-                        storage_options=dict(config.storage_options), **kwargs)
+    """The engine's checkpointer for ``config`` (one path or ``levels``)."""
+    return Checkpointer.from_config(config, comm=comm, **kwargs)
 
 
 def given_flags(flags: dict[str, Any]) -> dict[str, Any]:

@@ -24,9 +24,6 @@ data split changes).
 
 from __future__ import annotations
 
-import json
-import math
-import os
 import time
 import warnings
 from datetime import timedelta
@@ -40,6 +37,7 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 from ckpt_engine import Checkpointer, CheckpointError, LocalComm, TorchDistComm
 from ckpt_engine.config import CheckpointConfig
 from ckpt_engine.errors import UnsupportedValueError
+from ckpt_engine.figures import FigureReporter
 from ckpt_engine.resumable import rng_state, set_rng_state
 from ckpt_engine.schedule import Schedule
 from ckpt_engine.values import encode
@@ -109,7 +107,7 @@ class AsyncShardedCheckpoint(Callback):
         self._handle: Any = None
         self._last_global_step = -1
         self._last_saved_step: int | None = None
-        self._unreported: list[Any] = []  # records of our saves not yet logged (ck.records is bounded)
+        self._figures: FigureReporter | None = None  # rank 0's unreported saves and flushes
         self._interval_start = time.perf_counter()
         self._stop: StopAgreement | None = None  # SIGTERM under several ranks (see _preempt)
 
@@ -127,10 +125,10 @@ class AsyncShardedCheckpoint(Callback):
                                   "replicated (data-parallel) state; use DDP, ddp_spawn or a single device")
         dist_ready = torch.distributed.is_available() and torch.distributed.is_initialized()
         comm = TorchDistComm() if dist_ready and trainer.world_size > 1 else LocalComm()
-        self.ck = Checkpointer(self.config.location, comm=comm, keep_last=self.config.keep_last,
-                               storage_options=dict(self.config.storage_options), max_inflight=self.max_inflight,
-                               commit_timeout=self.commit_timeout)
+        self.ck = Checkpointer.from_config(self.config, comm=comm, max_inflight=self.max_inflight,
+                                           commit_timeout=self.commit_timeout)
         self.schedule = Schedule(self.policy, self.ck)
+        self._figures = FigureReporter(self.ck, self.policy)
         if self.save_on_sigterm and comm.world_size > 1:
             self._stop = StopAgreement()
         trainer.strategy.checkpoint_io = CheckpointIOWrapper(trainer.strategy.checkpoint_io, self)
@@ -285,40 +283,20 @@ class AsyncShardedCheckpoint(Callback):
                           "epoch_generators": sampler.epoch_generators if sampler is not None else []}}
         self._handle = self.ck.save(state, trainer.global_step, local, defer=defer)
         self._last_saved_step = trainer.global_step
-        if self.ck.rank == 0 and self.ck.records:
-            self._unreported.append(self.ck.records[-1])
+        if self.ck.rank == 0 and self.ck.records and self._figures is not None:
+            self._figures.track(self.ck.records[-1])
 
     # ---- figures -------------------------------------------------------------------------------
     def _report(self, trainer: "pl.Trainer") -> None:
-        """Log the figures of every checkpoint that finished since the last report (rank 0)."""
-        if self.ck is None or self.ck.rank != 0:
+        """Log the figures of every save and flush that finished since the last report (rank 0)."""
+        if self.ck is None or self.ck.rank != 0 or self._figures is None:
             return
-        done = [r for r in self._unreported if r.finished_at or r.skipped]
-        if not done:
-            return
-        self._unreported = [r for r in self._unreported if not (r.finished_at or r.skipped)]
-        figures = self.policy.figures()
-        for rec in done:
-            row = {"step": rec.step, "stall_ms": rec.stall_s * 1e3, "snapshot_ms": rec.snapshot_s * 1e3,
-                   "persist_ms": rec.persist_s * 1e3, "commit_ms": rec.commit_s * 1e3, "bytes": rec.bytes,
-                   "gb_per_s": rec.bytes / rec.persist_s / 1e9 if rec.persist_s else 0.0,
-                   "committed": rec.committed, "skipped": rec.skipped, "time": time.time(),
-                   **{k: v for k, v in figures.items() if not (isinstance(v, float) and math.isnan(v))}}
-            self._write_record(row)
+        for row in self._figures.collect():
             if trainer.logger is not None:
-                trainer.logger.log_metrics({f"ckpt/{k}": float(v) for k, v in row.items()
-                                            if isinstance(v, (int, float)) and k not in ("step", "time")},
-                                           step=rec.step)
-
-    def _write_record(self, row: dict[str, Any]) -> None:
-        assert self.ck is not None
-        storage = self.ck.storage
-        line = json.dumps(row).encode() + b"\n"
-        if storage.local:  # append where appending exists; one object per checkpoint elsewhere
-            with open(os.path.join(storage.root, "figures.jsonl"), "ab") as f:
-                f.write(line)
-        else:
-            storage.write_atomic(f"figures/step-{row['step']:012d}.json", line)
+                prefix = "ckpt/" if row["kind"] == "save" else f"ckpt/level{row['level']}_"
+                trainer.logger.log_metrics({f"{prefix}{k}": float(v) for k, v in row.items()
+                                            if isinstance(v, (int, float)) and k not in ("step", "time", "level")},
+                                           step=row["step"])
 
     # ---- the callback's own state (rides in Lightning's checkpoint) -----------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -212,3 +212,22 @@ def test_storage_instance_can_be_passed(memory_url):
         ck.save({"a": torch.ones(2)}, 1)
         ck.wait()
         assert ck.steps() == [1]
+
+
+def test_a_readonly_reader_never_sweeps_a_running_jobs_attempt(tmp_path):
+    """A second, read-only Checkpointer on a live job's path leaves its checkpoint in progress alone."""
+    from ckpt_engine import CheckpointError
+
+    writer = Checkpointer(str(tmp_path))
+    writer.save({"w": torch.ones(4)}, 1)
+    writer.wait()
+    in_progress = tmp_path / "step-000000000002-ffffffffffff00000001"
+    in_progress.mkdir()  # as a save of the running job looks before its manifest exists
+    reader = Checkpointer(str(tmp_path), readonly=True)
+    assert in_progress.exists() and reader.steps() == [1]
+    assert torch.equal(reader.load()["w"], torch.ones(4))
+    with pytest.raises(CheckpointError, match="readonly=True"):
+        reader.save({"w": torch.ones(4)}, 3)
+    Checkpointer(str(tmp_path))  # a writable one is the job's next incarnation: it sweeps
+    assert not in_progress.exists()
+    writer.close()
