@@ -13,7 +13,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -23,6 +23,11 @@ from .commit import Abandoned, CommitInputs, commit, write_abort
 from .manifest import IndexEntry, RankIndex, TensorEntry, data_file, index_file
 from .snapshot import BufferPool, HostBuffer, Piece
 from .storage import Storage
+
+
+_HASHER = ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash")
+_OVERLAP_MIN = 8 << 20
+"""Below this the hand-off to the hashing thread costs more than the overlap gains."""
 
 
 @dataclass
@@ -74,13 +79,18 @@ def write_rank(storage: Storage, job: PersistJob) -> None:
     start = time.perf_counter()
     view = job.buffer.view(job.nbytes)
     ends = [p.offset for p in job.pieces[1:]] + [job.nbytes]  # layout order: each piece padded up to the next
-    entries = tuple(
-        IndexEntry(p.local, p.tensor, p.start, p.stop, p.offset, p.nbytes, xxhash.xxh3_64_hexdigest(view[p.offset:end]))
-        for p, end in zip(job.pieces, ends)
-    )
+
+    def checksums() -> tuple[IndexEntry, ...]:
+        return tuple(IndexEntry(p.local, p.tensor, p.start, p.stop, p.offset, p.nbytes,
+                                xxhash.xxh3_64_hexdigest(view[p.offset:end])) for p, end in zip(job.pieces, ends))
+
+    # The checksums (xxh3 releases the GIL) are computed beside the write, which reads the same
+    # buffer and mostly waits on the device; the index that holds them is written after both.
+    hashing = _HASHER.submit(checksums) if job.nbytes >= _OVERLAP_MIN else None
     storage.makedirs(job.dirname)
     # No directory fsync here: the index file's atomic write below syncs the same directory.
     storage.write_stream(f"{job.dirname}/{data_file(job.rank)}", [view], sync_dir=False)
+    entries = hashing.result() if hashing is not None else checksums()
     job.record.persist_s = time.perf_counter() - start
     index = RankIndex(job.step, job.rank, job.world_size, job.attempt, job.nbytes, entries, job.local_tensors,
                       job.local_tree, {"snapshot_s": job.record.snapshot_s, "persist_s": job.record.persist_s,
