@@ -234,7 +234,7 @@ class AsyncShardedCheckpoint(Callback):
             self._stop.close()
         if self.save_on_train_end and self._last_saved_step != trainer.global_step:
             self._save(trainer, pl_module, self._consumed(trainer), defer=False)
-        self.ck.wait()
+        self.ck.wait(flush=True)  # multi-level: the flushes too (teardown's close() would wait anyway)
         self._report(trainer)
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:

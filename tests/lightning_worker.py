@@ -115,9 +115,11 @@ def main() -> None:
     p.add_argument("--strategy", default="ddp_spawn")
     p.add_argument("--dump-restored", action="store_true")
     p.add_argument("--stateful", action="store_true", help="torchdata's StatefulDataLoader")
+    p.add_argument("--level2", default=None, help="a second level: levels=[CKPT, LEVEL2]")
     args = p.parse_args()
     pl.seed_everything(1234, workers=True)
-    cb = AsyncShardedCheckpoint(dirpath=args.ckpt, every_n_train_steps=args.every, keep_last=3, resume=args.resume)
+    where = {"levels": [args.ckpt, args.level2]} if args.level2 else {"dirpath": args.ckpt}
+    cb = AsyncShardedCheckpoint(**where, every_n_train_steps=args.every, keep_last=3, resume=args.resume)
     callbacks = [cb]
     if args.model_checkpoint:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=os.path.join(args.out, "mc"), monitor="loss",

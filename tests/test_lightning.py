@@ -206,6 +206,23 @@ def test_sigterm_to_a_two_rank_ddp_spawn_job_commits_a_final_checkpoint_and_resu
         assert ids == [i for r in seen(uninterrupted[0], "ref", rank) if r["epoch"] == 1 for i in r["ids"]]
 
 
+def test_two_levels_from_the_callback_flush_and_log_their_figures(tmp_path):
+    """levels=[local, second] through the callback: both levels get committed checkpoints, flush
+    figures land in figures.jsonl and the logger, and a resume reads them back."""
+    ck, level2 = tmp_path / "ck", tmp_path / "level2"
+    run(tmp_path, ck, "--level2", str(level2), "--max-steps", "20", "--tag", "lv")
+    assert Checkpointer(str(ck), readonly=True).steps()[-1] == 20
+    assert Checkpointer(str(level2), readonly=True).steps()[-1] == 20  # close() waited for the flush
+    rows = [json.loads(line) for line in open(ck / "figures.jsonl")]
+    flushes = [r for r in rows if r.get("kind") == "flush"]
+    assert flushes and all(r["level"] == 2 for r in flushes) and any(r["committed"] for r in flushes)
+    assert any(r["durable_ms"] > 0 for r in flushes if r["committed"])
+    metrics = open(next((tmp_path / "lv").rglob("metrics.csv"))).read()
+    assert "ckpt/level2_durable_ms" in metrics
+    run(tmp_path, ck, "--level2", str(level2), "--max-steps", "24", "--tag", "lv2")
+    assert json.load(open(tmp_path / "resumed-lv2.json"))["resumed_from"] == 20
+
+
 def test_resume_on_one_rank_from_a_two_rank_checkpoint(uninterrupted, tmp_path):
     ck = tmp_path / "ck"
     run(tmp_path, ck, "--max-steps", "20", "--tag", "two")
