@@ -293,11 +293,12 @@ class SlowSwitch(Callback):
         SLOW["on"] = False
 
 
-def _slow_checkpointer(path: Any, **kwargs: Any) -> Any:
+class _slow_checkpointer:  # noqa: N801 - stands in for the class name in the callback's module
     """Stands in for ``lightning_ckpt.callback.Checkpointer``: the same, over :class:`SlowStorage`."""
-    kwargs.pop("storage_options", None)
-    storage = path if isinstance(path, Storage) else SlowStorage(path)
-    return _REAL_CHECKPOINTER(storage, **kwargs)
+
+    @staticmethod
+    def from_config(config: Any, **kwargs: Any) -> Any:
+        return _REAL_CHECKPOINTER(SlowStorage(config.location), keep_last=config.keep_last, **kwargs)
 
 
 _REAL_CHECKPOINTER = _cb_module.Checkpointer
