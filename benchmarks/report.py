@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -208,7 +209,12 @@ def section_overhead(d: dict[str, Any], plots: str) -> Section:
     ax.axhline(0, color="black", lw=0.5)
     ax.set_ylabel("overhead %")
     ax.set_title("measured overhead (bars), drift-corrected (diamonds), budget + 1 point (dashes)", fontsize=9)
-    return Section(BENCHES["overhead"].title, tuple(lines), (_save(fig, plt, plots, "report_overhead.png"),))
+    shown_plots = [_save(fig, plt, plots, "report_overhead.png")]
+    slow_png = os.path.join(d.get("_out_dir", ""), "bench_overhead_slowdown.png")
+    if slow and os.path.exists(slow_png):  # the benchmark's own plot of the tuning over time
+        shutil.copyfile(slow_png, os.path.join(plots, "bench_overhead_slowdown.png"))
+        shown_plots.append("bench_overhead_slowdown.png")
+    return Section(BENCHES["overhead"].title, tuple(lines), tuple(shown_plots))
 
 
 SECTIONS: dict[str, Callable[[dict[str, Any], str], Section]] = {
@@ -231,7 +237,9 @@ def load_results(out: str, names: list[str]) -> dict[str, tuple[dict[str, Any], 
         path = os.path.join(out, f"bench_{name}.json")
         if os.path.exists(path):
             with open(path) as f:
-                found[name] = (json.load(f), os.path.getmtime(path))
+                data = json.load(f)
+            data["_out_dir"] = out  # where the benchmark's own plots lie (see section_overhead)
+            found[name] = (data, os.path.getmtime(path))
     return found
 
 
