@@ -38,12 +38,13 @@ from ckpt_engine import Checkpointer, CheckpointError, LocalComm, TorchDistComm
 from ckpt_engine.config import CheckpointConfig
 from ckpt_engine.errors import UnsupportedValueError
 from ckpt_engine.figures import FigureReporter
+from ckpt_engine.preempt import SignalAgreement
 from ckpt_engine.resumable import rng_state, set_rng_state
 from ckpt_engine.schedule import Schedule
 from ckpt_engine.values import encode
 
 from . import _trainer_api
-from ._preempt import StopAgreement
+from ._preempt import stop_agreement
 from ._resume import CheckpointIOWrapper, assemble, is_our_checkpoint
 from ._stateful import LoaderSampler, is_stateful_loader
 
@@ -109,7 +110,7 @@ class AsyncShardedCheckpoint(Callback):
         self._last_saved_step: int | None = None
         self._figures: FigureReporter | None = None  # rank 0's unreported saves and flushes
         self._interval_start = time.perf_counter()
-        self._stop: StopAgreement | None = None  # SIGTERM under several ranks (see _preempt)
+        self._stop: SignalAgreement | None = None  # SIGTERM under several ranks (see _preempt)
 
     @property
     def state_key(self) -> str:
@@ -130,7 +131,7 @@ class AsyncShardedCheckpoint(Callback):
         self.schedule = Schedule(self.policy, self.ck)
         self._figures = FigureReporter(self.ck, self.policy)
         if self.save_on_sigterm and comm.world_size > 1:
-            self._stop = StopAgreement()
+            self._stop = stop_agreement()
         trainer.strategy.checkpoint_io = CheckpointIOWrapper(trainer.strategy.checkpoint_io, self)
         _trainer_api.wrap_process_dataloader(trainer, self._make_resumable)
         self._trainer = trainer
@@ -231,7 +232,8 @@ class AsyncShardedCheckpoint(Callback):
         if self.ck is None:
             return
         if self._stop is not None:
-            self._stop.close()
+            self._stop.finish()
+            self._stop.uninstall()
         if self.save_on_train_end and self._last_saved_step != trainer.global_step:
             self._save(trainer, pl_module, self._consumed(trainer), defer=False)
         self.ck.wait(flush=True)  # multi-level: the flushes too (teardown's close() would wait anyway)
