@@ -64,7 +64,7 @@ class FigureReporter:
             self._saves = [r for r in self._saves if not (r.finished_at or r.skipped)]
             figures = self.policy.figures()
             rows += [{"kind": "save", **figure_row(rec, figures)} for rec in done]
-        flushes = list(getattr(self.ck, "flush_records", ()))
+        flushes = list(self.ck.flush_records)
         current = {id(f) for f in flushes}
         self._flushes_seen &= current
         for f in flushes:

@@ -29,3 +29,13 @@ def assert_same(a, b, path: str = "state") -> None:
             assert_same(x, y, f"{path}[{i}]")
     else:
         assert type(a) is type(b) and (a == b or (a != a and b != b)), path
+
+
+def proc_stat(pid: "int | str") -> list[str] | None:
+    """Fields of ``/proc/<pid>/stat`` after the command name (state, ppid, pgrp, session, ...),
+    or ``None`` when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None

@@ -23,7 +23,7 @@ from ckpt_engine import Checkpointer
 from ckpt_engine.config import ConfigError
 from ckpt_engine.resumable import InPlaceResumable, make_resumable
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
-from helpers import assert_same
+from helpers import assert_same, proc_stat
 
 try:
     import horovod.torch  # noqa: F401
@@ -84,14 +84,9 @@ def descendants(pid: int) -> list[int]:
     """Every process below ``pid`` (horovodrun puts each rank in its own session, so its process
     group does not reach them): walk /proc's parent links."""
     children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        if fields := proc_stat(entry):
+            children.setdefault(int(fields[1]), []).append(int(entry))
     out, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -117,11 +112,8 @@ def kill_job(proc: subprocess.Popen) -> None:
 
 
 def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "X"
+    fields = proc_stat(pid)
+    return fields[0] if fields else "X"
 
 
 def rank_pid(proc: subprocess.Popen, rank: int) -> int:

@@ -13,6 +13,7 @@ import torch
 
 from ckpt_engine import Checkpointer
 from ckpt_engine.catalog import committed
+from helpers import proc_stat
 
 pytestmark = pytest.mark.integration
 WORKER = os.path.join(os.path.dirname(__file__), "lightning_worker.py")
@@ -166,15 +167,8 @@ def _wait_for_session_to_end(sid: int, timeout: float = 120.0) -> None:
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        alive = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[3]) == sid and fields[0] != "Z":  # fields: state, ppid, pgrp, session
-                alive.append(pid)
+        alive = [pid for pid in filter(str.isdigit, os.listdir("/proc"))
+                 if (fields := proc_stat(pid)) and int(fields[3]) == sid and fields[0] != "Z"]
         if not alive:
             return
         time.sleep(0.2)
