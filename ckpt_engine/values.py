@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import base64
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -81,16 +82,17 @@ def encode(state: object, root: str = "state") -> Encoded:
     """Split ``state`` into typed JSON and a tensor table.
 
     Raises :class:`UnsupportedValueError` naming the key path of the first value that cannot be
-    stored without pickle (a lambda, a custom class, a sparse tensor, ...).
+    stored without pickle (a lambda, a custom class, ...) or a tensor :func:`tensor_refusal`
+    refuses (meta, ``DTensor``, sparse, ...), before any tensor's memory is touched.
     """
     tensors: list[torch.Tensor] = []
     names: list[str] = []
     seen: dict[tuple, int] = {}
 
     def add_tensor(t: torch.Tensor, path: str) -> int:
-        if t.layout != torch.strided or t.is_quantized or t.is_nested:
-            raise UnsupportedValueError(f"{path}: only dense tensors can be stored, got layout {t.layout}")
-        dtype_name(t.dtype)
+        refusal = tensor_refusal(t)
+        if refusal is not None:
+            raise UnsupportedValueError(f"{path}: cannot store {refusal}")
         t = t.detach()
         if t.numel() > 0:
             alias = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
@@ -147,6 +149,87 @@ def encode(state: object, root: str = "state") -> Encoded:
         raise UnsupportedValueError(f"{path}: numpy dtype {a.dtype} cannot be stored without pickle")
 
     return Encoded(enc(state, root), tensors, names)
+
+
+_SPARSE = {torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc}
+_NO_DISPATCH = torch.Tensor.__torch_dispatch__
+
+
+def tensor_refusal(t: torch.Tensor) -> str | None:
+    """What ``t`` is and what to do instead, when a checkpoint cannot hold it; ``None`` when it can.
+
+    The snapshot copies a tensor's bytes straight from ``data_ptr()`` (``memmove`` on CPU, an
+    asynchronous copy on CUDA), so only a tensor whose own storage holds its values is accepted:
+    dense and strided, on CPU or CUDA, with real (not meta, fake or functional) storage, of a
+    dtype the format names, and of type ``torch.Tensor``, ``Parameter``, ``Buffer`` or a subclass
+    that does not override ``__torch_dispatch__``. Anything else would copy from a null or foreign
+    pointer (a SIGSEGV) or store bytes that are not its values, so it must be refused before the
+    copy. Pure: reads metadata only, never the data.
+    """
+    dtensor = _loaded_class("torch.distributed.tensor", "DTensor")
+    if dtensor is not None and isinstance(t, dtensor):
+        return (f"a DTensor ({_facts(t)}, placements {tuple(t.placements)}): sharded DTensor state is not "
+                "supported yet; store t.full_tensor() (a collective: call it on every rank), or t.to_local() "
+                "in the per-rank `local` state")
+    fake = _loaded_class("torch._subclasses.fake_tensor", "FakeTensor")
+    if fake is not None and isinstance(t, fake):
+        return (f"a FakeTensor ({_facts(t)}): it has no data (it comes from FakeTensorMode, e.g. torch.compile "
+                "tracing); save real tensors, outside the fake mode")
+    if t.is_nested:
+        return (f"a nested tensor (layout {t.layout}, dtype {t.dtype}, device {t.device}): store its components "
+                "instead, list(t.unbind()), or t.to_padded_tensor(0.0)")
+    if getattr(torch, "_is_functional_tensor", lambda _: False)(t):
+        return (f"a functional tensor ({_facts(t)}): a functionalization wrapper (torch.func, torch.compile) "
+                "without storage of its own; save the real tensors, outside the transform")
+    kind = type(t)
+    if getattr(kind, "__torch_dispatch__", _NO_DISPATCH) is not _NO_DISPATCH:
+        return (f"a tensor subclass {kind.__module__}.{kind.__qualname__} that overrides __torch_dispatch__ "
+                f"({_facts(t)}): its values are not in its own storage; convert it to a plain dense tensor first")
+    if t.layout in _SPARSE:
+        return (f"a sparse tensor (layout {t.layout}, {_facts(t)}): store t.to_dense(), or its index and value "
+                "tensors")
+    if t.layout != torch.strided:
+        return f"a tensor of layout {t.layout} ({_facts(t)}): store t.to_dense()"
+    if t.is_quantized:
+        return (f"a quantized tensor ({_facts(t)}): store t.dequantize(), or t.int_repr() with its quantization "
+                "parameters")
+    if t.is_meta:
+        return (f"a meta tensor ({_facts(t)}): it has no data (e.g. a module built under torch.device('meta') and "
+                "never materialized); materialize it first: module.to_empty(device=...), then initialize or "
+                "load its values")
+    if t.device.type not in ("cpu", "cuda"):
+        return f"a tensor on device {t.device} ({_facts(t)}): only CPU and CUDA tensors are supported; store t.cpu()"
+    if str(t.dtype).removeprefix("torch.") not in TORCH_DTYPES:
+        return (f"a tensor of {_facts(t)}: the checkpoint format has no such dtype; convert it to one of "
+                + ", ".join(TORCH_DTYPES))
+    if t.numel() > 0 and not _has_storage(t):
+        return (f"a tensor of type {kind.__module__}.{kind.__qualname__} without accessible storage "
+                f"({_facts(t)}); convert it to a plain dense tensor first")
+    return None
+
+
+def _facts(t: torch.Tensor) -> str:
+    try:
+        shape = f", shape {tuple(t.shape)}"
+    except RuntimeError:
+        shape = ""
+    return f"dtype {t.dtype}, device {t.device}{shape}"
+
+
+def _loaded_class(module: str, name: str) -> type | None:
+    """``module.name`` if that module is imported (no instance can exist otherwise): no import cost."""
+    mod = sys.modules.get(module)
+    cls = getattr(mod, name, None) if mod is not None else None
+    return cls if isinstance(cls, type) else None
+
+
+def _has_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` has real memory on its own device (not a null, fake or invalid storage)."""
+    try:
+        storage = t.untyped_storage()
+        return storage.data_ptr() != 0 and storage.device == t.device
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 def decode(tree: JSON, tensor: Callable[[int], torch.Tensor]) -> object:
