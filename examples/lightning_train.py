@@ -22,10 +22,21 @@ import sys
 import time
 from typing import Any, Optional
 
-import pytorch_lightning as pl
 import torch
-from pytorch_lightning.cli import LightningCLI
 from torch.utils.data import DataLoader, Dataset
+
+# The callback works with either Lightning distribution; this script takes the unified `lightning`
+# package when it is installed, or `pytorch_lightning` when it is not (or when
+# LIGHTNING_PACKAGE=pytorch_lightning asks for it, as the tests do to run it under both).
+if os.environ.get("LIGHTNING_PACKAGE") != "pytorch_lightning":
+    try:
+        import lightning.pytorch as pl
+        from lightning.pytorch.cli import LightningCLI
+    except ImportError:
+        os.environ["LIGHTNING_PACKAGE"] = "pytorch_lightning"
+if os.environ.get("LIGHTNING_PACKAGE") == "pytorch_lightning":
+    import pytorch_lightning as pl
+    from pytorch_lightning.cli import LightningCLI
 
 WORDS = ("checkpoint snapshot persist commit manifest rank slice layer tensor buffer storage bucket "
          "resume epoch sample gradient optimizer scheduler budget overhead").split()

@@ -1,4 +1,4 @@
-"""From our checkpoints to the dictionary Lightning restores from, and ``ckpt_path`` support."""
+"""Between Lightning's checkpoint dictionary and ours (both ways), and ``ckpt_path`` support."""
 
 from __future__ import annotations
 
@@ -6,9 +6,13 @@ import os
 import posixpath
 from typing import TYPE_CHECKING, Any, Optional
 
-from pytorch_lightning.plugins.io import CheckpointIO
+import warnings
 
 from ckpt_engine.catalog import parse_dir
+from ckpt_engine.errors import UnsupportedValueError
+from ckpt_engine.values import encode
+
+from . import _lightning
 
 if TYPE_CHECKING:
     from .callback import AsyncShardedCheckpoint
@@ -21,6 +25,16 @@ def assemble(state: dict[str, Any], misc: dict[str, Any], buffers: dict[str, Any
     checkpoint["state_dict"] = {**state["state_dict"], **buffers}
     checkpoint["optimizer_states"] = state["optimizer_states"]
     return checkpoint
+
+
+def newer_files(dirs: list[str], since: float) -> list[str]:
+    """Lightning checkpoint files (``*.ckpt``) in ``dirs`` modified after ``since`` (a Unix time)."""
+    found = []
+    for d in dirs:
+        if os.path.isdir(d):
+            found += [os.path.join(d, f) for f in sorted(os.listdir(d))
+                      if f.endswith(".ckpt") and os.path.getmtime(os.path.join(d, f)) > since]
+    return found
 
 
 def is_our_checkpoint(path: Any, root: str) -> Optional[int | str]:
@@ -43,12 +57,12 @@ def _same_place(a: str, b: str) -> bool:
     return os.path.abspath(a) == os.path.abspath(b)
 
 
-class CheckpointIOWrapper(CheckpointIO):
+class CheckpointIOWrapper(*_lightning.bases("plugins.io.CheckpointIO")):  # type: ignore[misc]
     """The strategy's CheckpointIO, except that ``load_checkpoint`` of one of our checkpoints
     (``trainer.fit(ckpt_path=<root or step directory>)``) assembles it from our files.
     ``trainer.save_checkpoint`` and everything else go to the wrapped IO unchanged."""
 
-    def __init__(self, inner: CheckpointIO, callback: "AsyncShardedCheckpoint") -> None:
+    def __init__(self, inner: Any, callback: "AsyncShardedCheckpoint") -> None:
         self.inner, self.callback = inner, callback
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
@@ -66,3 +80,31 @@ class CheckpointIOWrapper(CheckpointIO):
 
     def teardown(self) -> None:
         self.inner.teardown()
+
+
+def plain_misc(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """Lightning's checkpoint minus weights, with the hyper-parameters that are not plain values
+    dropped with a warning (resume does not need them). Anything else unstorable fails in
+    ``Checkpointer.save`` naming its key, so only the hyper-parameters are checked here."""
+    out = {}
+    for key, value in checkpoint.items():
+        if "hyper_parameters" in key or "hparams" in key:
+            try:
+                encode(value, key)
+            except UnsupportedValueError as e:
+                if not isinstance(value, dict):
+                    warnings.warn(f"AsyncShardedCheckpoint: {key} not stored: {e}", stacklevel=3)
+                    continue
+                value = {k: v for k, v in value.items() if _plain(k, v)}
+        out[key] = value
+    return out
+
+
+def _plain(key: str, value: Any) -> bool:
+    try:
+        encode(value, key)
+        return True
+    except UnsupportedValueError:
+        warnings.warn(f"AsyncShardedCheckpoint: hyper-parameter {key!r} is not a plain value and is not stored "
+                      "(resume does not need it)", stacklevel=4)
+        return False

@@ -1,30 +1,131 @@
 """Every use of Lightning's private API, in one place (each is covered by the tests).
 
 Lightning has no public way to (a) get the checkpoint dictionary it would save, without writing
-it, or (b) restore from a dictionary it did not load itself. Both exist on the trainer's checkpoint
-connector; ``resume="auto"`` needs (b) because ``Trainer._select_ckpt_path`` runs before any
-callback hook, so the callback cannot change ``ckpt_path`` and instead hands the connector the
-dictionary it would otherwise have read (``resume_start(None)`` leaves it in place).
+it, or (b) restore from a dictionary it did not load itself, or (c) see which checkpoint
+``fit(ckpt_path=...)`` is about to restore. All three exist on the trainer's checkpoint connector;
+``Trainer._select_ckpt_path`` runs before any callback hook, so the callback cannot change
+``ckpt_path``: it intercepts the connector's ``resume_start`` (which sees the resolved path) and
+hands the connector the dictionary to restore from.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import os
+from typing import TYPE_CHECKING, Any, Callable
 
-import pytorch_lightning as pl
+from . import _lightning
+
+if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
 
 
-def dump_checkpoint(trainer: "pl.Trainer") -> dict[str, Any]:
+def dump_checkpoint(trainer: "Trainer") -> dict[str, Any]:
     """The full checkpoint dictionary Lightning would save now (weights, optimizers, loops...)."""
     return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
 
 
-def inject_loaded_checkpoint(trainer: "pl.Trainer", checkpoint: dict[str, Any]) -> None:
-    """Make the coming restore steps of ``fit()`` use ``checkpoint`` (call from ``setup``)."""
+def inject_loaded_checkpoint(trainer: "Trainer", checkpoint: dict[str, Any], path: str) -> None:
+    """Make the coming restore steps of ``fit()`` use ``checkpoint``, read from ``path`` (which
+    ``trainer.ckpt_path`` then reports)."""
     trainer._checkpoint_connector._loaded_checkpoint = checkpoint
+    trainer._checkpoint_connector._ckpt_path = path
 
 
-def wrap_process_dataloader(trainer: "pl.Trainer", after: Callable[[Any], Any]) -> None:
+def wrap_resume_start(trainer: "Trainer", around: Callable[[Any, Callable[[Any], None]], None]) -> None:
+    """Route ``fit()``'s restore through ``around(ckpt_path, lightning)`` (call from ``setup``).
+
+    The checkpoint connector's ``resume_start(ckpt_path)`` runs after every ``setup`` hook and
+    before anything is restored, with ``ckpt_path`` already resolved (``"last"`` is a file by
+    then); it is the one place that sees both candidates. ``lightning(path)`` does what Lightning
+    would have done (load ``path`` into the connector; ``None`` loads nothing).
+    """
+    connector = trainer._checkpoint_connector
+    original = connector.resume_start
+    if getattr(original, "_ckpt_wrapped", False):
+        return
+
+    def resume_start(checkpoint_path: Any = None, weights_only: Any = None) -> None:
+        around(checkpoint_path, lambda path: original(path, weights_only=weights_only))
+
+    resume_start._ckpt_wrapped = True  # type: ignore[attr-defined]
+    connector.resume_start = resume_start
+
+
+def loaded_checkpoint(trainer: "Trainer") -> dict[str, Any]:
+    """The dictionary the coming restore steps of ``fit()`` will use."""
+    return trainer._checkpoint_connector._loaded_checkpoint
+
+
+def last_checkpoint_files(trainer: "Trainer") -> set[str]:
+    """What ``ckpt_path="last"`` resolves among: every ``ModelCheckpoint``'s ``last*.ckpt`` files."""
+    found: set[str] = set()
+    for cb in trainer.checkpoint_callbacks:
+        find = getattr(cb, "_find_last_checkpoints", None)
+        if find is not None:
+            found |= {os.path.abspath(p) for p in find(trainer)}
+    return found
+
+
+def lightning_checkpoint_dirs(trainer: "Trainer") -> list[str]:
+    """The local folders Lightning's own checkpoint callbacks write to."""
+    dirs = [getattr(cb, "dirpath", None) for cb in trainer.checkpoint_callbacks]
+    return [str(d) for d in dirs if d and "://" not in str(d)]
+
+
+def guard_fit_loop(trainer: "Trainer", on_failure: Callable[[BaseException], None]) -> None:
+    """Call ``on_failure(exception)`` when training ends by an exception, in the process that trains.
+
+    Lightning calls ``on_exception`` only where ``fit()`` was called: under ``ddp_spawn`` that is
+    the launcher, not the ranks that hold the checkpoints in flight, so the ranks' exits are
+    caught here, around the fit loop they run.
+    """
+    loop = trainer.fit_loop
+    original = loop.run
+    if getattr(original, "_ckpt_wrapped", False):
+        return
+
+    def run() -> None:
+        try:
+            original()
+        except BaseException as exception:
+            on_failure(exception)
+            raise
+
+    run._ckpt_wrapped = True  # type: ignore[attr-defined]
+    loop.run = run  # type: ignore[method-assign]
+
+
+def as_between_epochs(checkpoint: dict[str, Any]) -> None:
+    """Rewrite Lightning's loop state in ``checkpoint`` (dumped after an epoch's end has run: at the
+    next epoch's start or at the end of training) as it stands between two epochs.
+
+    At those moments the training-epoch loop still holds the finished epoch's *current* counters
+    (it resets them when the next epoch's loop starts); restored as they are, the next epoch would
+    look finished at once, or a further epoch would be counted. Totals stay as they are.
+    """
+    fit = checkpoint["loops"]["fit_loop"]
+    for key in ("epoch_loop.batch_progress", "epoch_loop.scheduler_progress"):
+        fit[key]["current"] = {k: 0 for k in fit[key]["current"]}
+    fit["epoch_loop.batch_progress"]["is_last_batch"] = False
+    for progress in fit["epoch_loop.automatic_optimization.optim_progress"]["optimizer"].values():
+        progress["current"] = {k: 0 for k in progress["current"]}
+
+
+def end_restarted_epoch_normally(trainer: "Trainer") -> None:
+    """Let the end of the first epoch after a restore from one of our checkpoints step the
+    epoch-interval LR schedulers (``ReduceLROnPlateau`` included), as the uninterrupted run did
+    (call from ``on_train_epoch_end``).
+
+    ``FitLoop.on_advance_end`` skips them while the loop is "restarting", which stays true for the
+    whole first epoch after any restore under ``max_steps`` and after a mid-epoch one (Lightning's
+    guard for its own end-of-epoch checkpoints, whose metrics it does not save). Ours are taken
+    mid-epoch or between epochs, so that epoch's metrics are complete when it ends; the flag is
+    cleared for the rest of the epoch, as the loop clears it right after (``on_iteration_done``).
+    """
+    trainer.fit_loop._restarting = False
+
+
+def wrap_process_dataloader(trainer: "Trainer", after: Callable[[Any], Any]) -> None:
     """Pass every dataloader the strategy prepares (samplers injected) through ``after``.
 
     ``FitLoop.setup_data()`` calls ``iter()`` on the train loader before it sets the sampler's
@@ -42,7 +143,7 @@ def wrap_process_dataloader(trainer: "pl.Trainer", after: Callable[[Any], Any]) 
     strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]
 
 
-def restores_loader_states(trainer: "pl.Trainer") -> bool:
+def restores_loader_states(trainer: "Trainer") -> bool:
     """Whether the fit loop is about to restore saved states of stateful train loaders.
 
     Lightning saves a ``StatefulDataLoader``'s ``state_dict()`` with its loops and loads it right
@@ -51,11 +152,10 @@ def restores_loader_states(trainer: "pl.Trainer") -> bool:
     return bool(getattr(trainer.fit_loop, "_combined_loader_states_to_load", None))
 
 
-def unsupported_strategy(trainer: "pl.Trainer") -> str | None:
+def unsupported_strategy(trainer: "Trainer") -> str | None:
     """The name of a sharded strategy (whose state is not replicated), or ``None``."""
-    from pytorch_lightning.strategies import DeepSpeedStrategy, FSDPStrategy
-
+    strategies = _lightning.of(trainer).strategies
     strategy = trainer.strategy
-    if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy)):
+    if isinstance(strategy, (strategies.FSDPStrategy, strategies.DeepSpeedStrategy)):
         return type(strategy).__name__
     return None

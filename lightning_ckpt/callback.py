@@ -14,44 +14,44 @@ What a checkpoint holds, split the way data parallelism splits it:
   callbacks, precision, datamodule, plain hyper-parameters); on restore that rest comes from
   writer rank 0, as in Lightning's own checkpoints.
 
-Resume: with ``resume="auto"`` (or ``trainer.fit(ckpt_path=<one of our checkpoints>)``) Lightning
-restores from the dictionary this callback assembles; the train sampler is wrapped so that the
-interrupted epoch continues at the next unseen sample, and the RNG streams are restored at the
-step (see ``ckpt_engine.resumable``). Not bitwise: random augmentation inside DataLoader workers
-(their seeds derive from a draw at ``iter()`` time) and a restore on a different world size (the
-data split changes).
+Resume: exactly one checkpoint is restored (ours with ``resume="auto"`` or ``fit(ckpt_path=<ours>)``,
+Lightning's with another ``ckpt_path``; ``"last"`` takes the newer: see :meth:`_resume_start`).
+From ours Lightning restores the dictionary this callback assembles; the train sampler is wrapped
+so that the interrupted epoch continues at the next unseen sample, and the RNG streams are restored
+at the step (see ``ckpt_engine.resumable``). Not bitwise: random augmentation inside DataLoader
+workers (their seeds derive from a draw at ``iter()`` time) and a restore on a different world size
+(the data split changes).
 """
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from datetime import timedelta
-from typing import Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
 
-import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import Callback
-from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from ckpt_engine import Checkpointer, CheckpointError, LocalComm, TorchDistComm
-from ckpt_engine.config import CheckpointConfig
-from ckpt_engine.errors import UnsupportedValueError
 from ckpt_engine.figures import FigureReporter
 from ckpt_engine.preempt import SignalAgreement
 from ckpt_engine.resumable import rng_state, set_rng_state
 from ckpt_engine.schedule import Schedule
-from ckpt_engine.values import encode
 
-from . import _trainer_api
+from . import _flags, _lightning, _trainer_api
 from ._preempt import stop_agreement
-from ._resume import CheckpointIOWrapper, assemble, is_our_checkpoint
+from . import _resume
+from ._resume import CheckpointIOWrapper, assemble, is_our_checkpoint, plain_misc
 from ._stateful import LoaderSampler, is_stateful_loader
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule, Trainer
 
 _REPLICATED = ("state_dict", "optimizer_states")
 
 
-class AsyncShardedCheckpoint(Callback):
+class AsyncShardedCheckpoint(*_lightning.bases("callbacks.Callback")):  # type: ignore[misc]
     """Asynchronous, rank-sliced checkpoints to any fsspec path, with exact resume.
 
     Args:
@@ -81,14 +81,11 @@ class AsyncShardedCheckpoint(Callback):
                  save_on_train_end: bool = True, save_on_exception: bool = True, save_on_sigterm: bool = True,
                  pipeline: bool = False, max_inflight: int = 1, commit_timeout: float = 600.0) -> None:
         super().__init__()
-        self.config = CheckpointConfig(
-            path=_one_of("path", path, "dirpath", dirpath),
-            every_n_steps=_one_of("every_n_steps", every_n_steps, "every_n_train_steps", every_n_train_steps),
-            every_seconds=_one_of("every_seconds", every_seconds, "train_time_interval",
-                                  train_time_interval.total_seconds() if isinstance(train_time_interval, timedelta)
-                                  else train_time_interval),
-            overhead_budget=overhead_budget, max_interval=max_interval, keep_last=keep_last,
-            levels=tuple(levels) if levels is not None else None, storage_options=dict(storage_options or {}))
+        self.config = _flags.build_config(path=path, dirpath=dirpath, every_n_steps=every_n_steps,
+                                          every_n_train_steps=every_n_train_steps, every_seconds=every_seconds,
+                                          train_time_interval=train_time_interval, overhead_budget=overhead_budget,
+                                          max_interval=max_interval, keep_last=keep_last, levels=levels,
+                                          storage_options=storage_options)
         if resume not in ("auto", "never"):
             raise ValueError(f"resume must be 'auto' or 'never', got {resume!r}")
         if type(max_inflight) is not int or max_inflight < 1:
@@ -111,13 +108,17 @@ class AsyncShardedCheckpoint(Callback):
         self._figures: FigureReporter | None = None  # rank 0's unreported saves and flushes
         self._interval_start = time.perf_counter()
         self._stop: SignalAgreement | None = None  # SIGTERM under several ranks (see _preempt)
+        self._comm: Any = None
+        self._quiet: Any = None  # the filter silencing Lightning's "not resumable" warning while resuming
+        self._due: tuple[int, int] | None = None  # (epoch, batches): a checkpoint decided at an epoch's last batch
+        self._restarted_epoch = False  # resumed mid-epoch from ours, that epoch's end not reached yet
 
     @property
     def state_key(self) -> str:
         return f"{type(self).__name__}[{self.config.location}]"
 
     # ---- set-up and resume ------------------------------------------------------------------
-    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+    def setup(self, trainer: "Trainer", pl_module: "LightningModule", stage: str) -> None:
         if stage != "fit" or self.ck is not None:
             return
         unsupported = _trainer_api.unsupported_strategy(trainer)
@@ -134,11 +135,43 @@ class AsyncShardedCheckpoint(Callback):
             self._stop = stop_agreement()
         trainer.strategy.checkpoint_io = CheckpointIOWrapper(trainer.strategy.checkpoint_io, self)
         _trainer_api.wrap_process_dataloader(trainer, self._make_resumable)
-        self._trainer = trainer
-        if self.resume == "auto":
-            step = comm.broadcast(self.ck.latest_step() if comm.rank == 0 else None)
-            if step is not None:
-                _trainer_api.inject_loaded_checkpoint(trainer, self.restore(step))
+        _trainer_api.wrap_resume_start(trainer, self._resume_start)
+        _trainer_api.guard_fit_loop(trainer, lambda exception: self._after_failure(trainer, exception))
+        self._trainer, self._comm = trainer, comm
+
+    def _resume_start(self, path: Any, lightning: Callable[[Any], None]) -> None:
+        """Restore exactly one checkpoint (README, "Which checkpoint a resume restores"):
+
+        * ``ckpt_path`` is one of ours: that one (read once, through :class:`CheckpointIOWrapper`);
+        * ``ckpt_path`` is Lightning's ``last`` checkpoint (``"last"``): the newer of it and our
+          newest, ours on a tie (it also restores the data position and RNG exactly);
+        * any other ``ckpt_path``: that one (an explicit choice wins);
+        * none: our newest with ``resume="auto"``, else nothing.
+
+        The candidate not used is named in a log line (a warning when it is the newer one).
+        """
+        assert self.ck is not None and self._trainer is not None
+        trainer, root = self._trainer, self.config.location
+        ours = self._comm.broadcast(self.ck.latest_step() if self._comm.rank == 0 else None)
+        lightning(path)
+        if path is not None:
+            if is_our_checkpoint(path, root) is not None or ours is None:
+                return
+            theirs = int(_trainer_api.loaded_checkpoint(trainer).get("global_step", -1))
+            last = os.path.abspath(str(path)) in _trainer_api.last_checkpoint_files(trainer)
+            if not (last and self.resume == "auto" and ours >= theirs):
+                _lightning.notice(trainer, f"AsyncShardedCheckpoint: restoring ckpt_path={str(path)!r} (step {theirs}); "
+                                  f"not restoring this callback's newest checkpoint (step {ours} under {root}). To "
+                                  f"resume from it, call fit() without ckpt_path or with ckpt_path={root!r}.",
+                                  warn=ours > theirs)
+                return
+            _lightning.notice(trainer, f"AsyncShardedCheckpoint: ckpt_path={str(path)!r} is Lightning's last checkpoint "
+                              f"(step {theirs}); this callback's checkpoint at step {ours} is as new or newer and "
+                              f"is restored instead (it also restores the data position and RNG); {path} is not used.")
+        elif self.resume != "auto" or ours is None:
+            return
+        checkpoint = self.restore(ours)
+        _trainer_api.inject_loaded_checkpoint(trainer, checkpoint, root)
 
     def restore(self, step: int | None) -> dict[str, Any]:
         """Load checkpoint ``step`` (newest if ``None``) as the dictionary Lightning restores from;
@@ -151,9 +184,18 @@ class AsyncShardedCheckpoint(Callback):
         checkpoint = assemble(state, first["misc"], mine["buffers"])
         self._pending_data = mine["data"]
         self._pending_rng = own["rng"] if own is not None else None
-        self.resumed_from = self.ck.loaded_manifest.step if self.ck.loaded_manifest else step
+        manifest = self.ck.loaded_manifest
+        self.resumed_from = manifest.step if manifest else step
+        self._restarted_epoch = True
         for sampler in self._samplers:
             self._apply_data_position(sampler)
+        if self._trainer is not None and manifest is not None:
+            self._quiet = _lightning.silence_not_resumable()  # this callback resumes the data position
+            newer = _resume.newer_files(_trainer_api.lightning_checkpoint_dirs(self._trainer), manifest.created_at)
+            if newer:
+                _lightning.notice(self._trainer, f"AsyncShardedCheckpoint: resumed from step {self.resumed_from}; "
+                                  f"Lightning checkpoints written after it by the interrupted run stay in place: "
+                                  f"{', '.join(newer)}")
         return checkpoint
 
     def _make_resumable(self, dataloader: Any) -> Any:
@@ -190,7 +232,7 @@ class AsyncShardedCheckpoint(Callback):
         sampler.resume(data["epoch"], data["consumed_batches"] * data["batch_size"], data["epoch_rng"],
                        data.get("epoch_generators"))
 
-    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_train_start(self, trainer: "Trainer", pl_module: "LightningModule") -> None:
         if self._pending_rng is not None:  # after the loader's set-up draws, as they were at save time
             set_rng_state(self._pending_rng)
             self._pending_rng = None
@@ -204,21 +246,26 @@ class AsyncShardedCheckpoint(Callback):
             self._stop.install()  # after Lightning registered its own handlers for the run
 
     # ---- saving -----------------------------------------------------------------------------
-    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+    def on_before_optimizer_step(self, trainer: "Trainer", pl_module: "LightningModule",
                                  optimizer: Any) -> None:
         if self._handle is not None:  # a deferred snapshot must finish before weights change
             self._handle.wait_snapshot()
             self._handle = None
 
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
+    def on_train_batch_end(self, trainer: "Trainer", pl_module: "LightningModule", outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         if trainer.global_step == self._last_global_step:
             return  # gradient accumulation: no optimizer step yet, the state is not consistent
         self._last_global_step = trainer.global_step
         assert self.schedule is not None
         if self.schedule.should_save(trainer.global_step):
-            self._save(trainer, pl_module, batch_idx + 1, defer=self.pipeline)
-            self.schedule.saved(trainer.global_step)
+            if batch_idx + 1 >= trainer.num_training_batches:
+                # The epoch's end (validation, epoch schedulers, epoch-end hooks) still has to run and a
+                # restart from here would skip it: take this checkpoint once it has run.
+                self._due = (trainer.current_epoch, batch_idx + 1)
+            else:
+                self._save(trainer, pl_module, batch_idx + 1, defer=self.pipeline)
+                self.schedule.saved(trainer.global_step)
         self._report(trainer)
         if self._stop is not None and self._stop.poll():  # a rank got SIGTERM: all agree here
             self._stop.uninstall()
@@ -226,60 +273,114 @@ class AsyncShardedCheckpoint(Callback):
                 self._save(trainer, pl_module, batch_idx + 1, defer=False)
             self.ck.wait()
             self._report(trainer)
-            raise SIGTERMException()  # end the way Lightning ends a run on SIGTERM
+            raise _lightning.sigterm_exception(trainer)()  # end the way Lightning ends a run on SIGTERM
 
-    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_train_epoch_start(self, trainer: "Trainer", pl_module: "LightningModule") -> None:
+        self._save_due(trainer, pl_module)
+
+    def on_train_epoch_end(self, trainer: "Trainer", pl_module: "LightningModule") -> None:
+        if self._restarted_epoch:  # resumed mid-epoch from ours: end this epoch as the uninterrupted run did
+            _trainer_api.end_restarted_epoch_normally(trainer)
+            self._restarted_epoch = False
+
+    def _save_due(self, trainer: "Trainer", pl_module: "LightningModule") -> None:
+        """Take the checkpoint decided at the last batch of the previous epoch, now that its end has run."""
+        if self._due is None:
+            return
+        epoch, consumed = self._due
+        self._due = None
+        self._save(trainer, pl_module, consumed, defer=self.pipeline, epoch=epoch, between_epochs=True)
+        assert self.schedule is not None
+        self.schedule.saved(trainer.global_step)
+
+    def on_train_end(self, trainer: "Trainer", pl_module: "LightningModule") -> None:
         if self.ck is None:
             return
+        self._save_due(trainer, pl_module)
         if self._stop is not None:
             self._stop.finish()
             self._stop.uninstall()
         if self.save_on_train_end and self._last_saved_step != trainer.global_step:
-            self._save(trainer, pl_module, self._consumed(trainer), defer=False)
+            consumed = self._consumed(trainer)
+            self._save(trainer, pl_module, consumed, defer=False,
+                       between_epochs=consumed >= trainer.num_training_batches)
         self.ck.wait(flush=True)  # multi-level: the flushes too (teardown's close() would wait anyway)
         self._report(trainer)
 
-    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+    def on_train_batch_start(self, trainer: "Trainer", *args: Any, **kwargs: Any) -> None:
+        self._quiet = _lightning.unsilence(self._quiet)
+
+    def on_exception(self, trainer: "Trainer", pl_module: "LightningModule", exception: BaseException) -> None:
+        self._after_failure(trainer, exception)
+
+    def _after_failure(self, trainer: "Trainer", exception: BaseException) -> None:
+        """Every way out of ``fit()`` by an exception (``KeyboardInterrupt`` and ``SIGTERMException``
+        included) waits, bounded by ``commit_timeout``, for the checkpoints already taken to commit,
+        then closes. One rank also takes a final checkpoint first (``save_on_exception`` /
+        ``save_on_sigterm``); under several ranks the others may never reach it, so it could not commit.
+
+        Called from ``on_exception`` and, in ``ddp_spawn`` ranks (where Lightning calls no
+        ``on_exception``), from around the fit loop; the second call finds nothing left to do.
+        """
+        self._quiet = _lightning.unsilence(self._quiet)
         if self._stop is not None:
             self._stop.uninstall()
-        if self.ck is None or self._last_saved_step == trainer.global_step:
+        if self.ck is None:
             return
-        sigterm = isinstance(exception, SIGTERMException)
-        if (sigterm and self.save_on_sigterm) or (not sigterm and self.save_on_exception):
-            if not sigterm and self.ck.world_size > 1:
-                warnings.warn("AsyncShardedCheckpoint: no final checkpoint on an exception under several ranks "
-                              "(the other ranks may not reach it, so it could never commit)", stacklevel=2)
-                return
-            # One rank: Lightning raised SIGTERMException (several ranks: see on_train_batch_end).
-            self._save(trainer, pl_module, self._consumed(trainer), defer=False)
+        try:
+            sigterm = isinstance(exception, _lightning.sigterm_exceptions())
+            final = self.save_on_sigterm if sigterm else self.save_on_exception
+            if final and self._last_saved_step != trainer.global_step:
+                if self.ck.world_size == 1:
+                    self._save(trainer, trainer.lightning_module, self._consumed(trainer), defer=False)
+                elif not sigterm:
+                    warnings.warn("AsyncShardedCheckpoint: no final checkpoint on an exception under several ranks "
+                                  "(the other ranks may not reach it, so it could never commit); waiting for the "
+                                  "checkpoints already taken", stacklevel=2)
             self.ck.wait()
             self._report(trainer)
+        except Exception as error:  # never hide the exception that ended training
+            warnings.warn(f"AsyncShardedCheckpoint: after {type(exception).__name__}, the checkpoints in flight "
+                          f"could not be committed: {error}", stacklevel=2)
+        finally:
+            try:
+                self._close()
+            except Exception as error:
+                warnings.warn(f"AsyncShardedCheckpoint: closing after {type(exception).__name__}: {error}", stacklevel=2)
 
-    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        if stage == "fit" and self._stop is not None:
+    def teardown(self, trainer: "Trainer", pl_module: "LightningModule", stage: str) -> None:
+        self._quiet = _lightning.unsilence(self._quiet)
+        if stage == "fit":
+            self._close()
+
+    def _close(self) -> None:
+        if self._stop is not None:
             self._stop.uninstall()
             self._stop = None
-        if stage == "fit" and self.ck is not None:
+        if self.ck is not None:
             try:
                 self.ck.close()
             finally:
                 self.ck = None
 
-    def _consumed(self, trainer: "pl.Trainer") -> int:
+    def _consumed(self, trainer: "Trainer") -> int:
         return int(trainer.fit_loop.epoch_loop.batch_progress.current.completed)
 
-    def _save(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", consumed: int, defer: bool) -> None:
+    def _save(self, trainer: "Trainer", pl_module: "LightningModule", consumed: int, defer: bool,
+              epoch: int | None = None, between_epochs: bool = False) -> None:
         assert self.ck is not None
         checkpoint = _trainer_api.dump_checkpoint(trainer)
+        if between_epochs:
+            _trainer_api.as_between_epochs(checkpoint)
         buffers = {name for name, _ in pl_module.named_buffers()}
         weights = checkpoint.pop("state_dict")
         state = {"state_dict": {k: v for k, v in weights.items() if k not in buffers},
                  "optimizer_states": checkpoint.pop("optimizer_states", [])}
         sampler = self._samplers[0] if self._samplers else None
-        local = {"misc": _plain_misc(checkpoint),
+        local = {"misc": plain_misc(checkpoint),
                  "buffers": {k: v.detach().clone() for k, v in weights.items() if k in buffers},
                  "rng": rng_state(),
-                 "data": {"epoch": trainer.current_epoch, "consumed_batches": consumed,
+                 "data": {"epoch": trainer.current_epoch if epoch is None else epoch, "consumed_batches": consumed,
                           "batch_size": getattr(self, "_batch_size", 1),
                           "epoch_rng": sampler.epoch_rng if sampler is not None else None,
                           "epoch_generators": sampler.epoch_generators if sampler is not None else []}}
@@ -289,7 +390,7 @@ class AsyncShardedCheckpoint(Callback):
             self._figures.track(self.ck.records[-1])
 
     # ---- figures -------------------------------------------------------------------------------
-    def _report(self, trainer: "pl.Trainer") -> None:
+    def _report(self, trainer: "Trainer") -> None:
         """Log the figures of every save and flush that finished since the last report (rank 0)."""
         if self.ck is None or self.ck.rank != 0 or self._figures is None:
             return
@@ -306,37 +407,3 @@ class AsyncShardedCheckpoint(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.policy.load_state_dict(state_dict.get("policy", {}))
-
-
-def _one_of(name: str, value: Any, alias: str, alias_value: Any) -> Any:
-    if value is not None and alias_value is not None:
-        raise ValueError(f"give {name!r} or Lightning's {alias!r}, not both ({value!r} and {alias_value!r})")
-    return value if value is not None else alias_value
-
-
-def _plain_misc(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """Lightning's checkpoint minus weights, with the hyper-parameters that are not plain values
-    dropped with a warning (resume does not need them). Anything else unstorable fails in
-    ``Checkpointer.save`` naming its key, so only the hyper-parameters are checked here."""
-    out = {}
-    for key, value in checkpoint.items():
-        if "hyper_parameters" in key or "hparams" in key:
-            try:
-                encode(value, key)
-            except UnsupportedValueError as e:
-                if not isinstance(value, dict):
-                    warnings.warn(f"AsyncShardedCheckpoint: {key} not stored: {e}", stacklevel=3)
-                    continue
-                value = {k: v for k, v in value.items() if _plain(k, v)}
-        out[key] = value
-    return out
-
-
-def _plain(key: str, value: Any) -> bool:
-    try:
-        encode(value, key)
-        return True
-    except UnsupportedValueError:
-        warnings.warn(f"AsyncShardedCheckpoint: hyper-parameter {key!r} is not a plain value and is not stored "
-                      "(resume does not need it)", stacklevel=4)
-        return False

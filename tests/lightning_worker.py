@@ -16,13 +16,18 @@ import os
 import signal
 import sys
 
-import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lightning_ckpt import AsyncShardedCheckpoint  # noqa: E402
+
+# Which Lightning distribution this job uses: the tests run every job under both.
+if os.environ.get("LIGHTNING_PACKAGE", "lightning") == "lightning":
+    import lightning.pytorch as pl
+else:
+    import pytorch_lightning as pl
 
 
 class Numbered(Dataset):
@@ -38,6 +43,16 @@ class Numbered(Dataset):
 
     def __getitem__(self, i: int):
         return i, self.x[i], self.y[i]
+
+
+class Counting(AsyncShardedCheckpoint):
+    """The callback, counting how often a checkpoint of ours is read (must be once per resume)."""
+
+    restores = 0
+
+    def restore(self, step):
+        self.restores += 1
+        return super().restore(step)
 
 
 class Net(pl.LightningModule):
@@ -61,6 +76,8 @@ class Net(pl.LightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         step = self.global_step
+        if step == self.args.raise_at:  # every rank, right after the callbacks' hooks (a save just started)
+            raise RuntimeError(f"injected failure at step {step}")
         if self.global_rank == 0 and step == self.args.kill_at:
             os.killpg(os.getpgid(0), signal.SIGKILL)  # the whole job, mid-epoch
         if self.global_rank == 0 and step == self.args.sigterm_at:
@@ -69,9 +86,24 @@ class Net(pl.LightningModule):
             else:
                 os.kill(os.getpid(), signal.SIGTERM)
 
+    def validation_step(self, batch, batch_idx):
+        ids, x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x).squeeze(1), y), sync_dist=True)
+        self.log("val_flat", 1.0, sync_dist=True)  # never improves: a plateau scheduler reduces every epoch
+
     def configure_optimizers(self):
         opt = torch.optim.Adam(self.parameters(), lr=0.01)
-        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.7)}
+        if self.args.scheduler == "plateau":
+            sched = {"scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0),
+                     "monitor": "val_flat"}
+        elif self.args.scheduler == "exp":  # interval "epoch": steps at every epoch end
+            sched = {"scheduler": torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)}
+        else:
+            sched = {"scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.7)}
+        return {"optimizer": opt, "lr_scheduler": sched}
+
+    def val_dataloader(self):
+        return DataLoader(Numbered(32), batch_size=8)
 
     def train_dataloader(self):
         loader = DataLoader
@@ -91,11 +123,14 @@ class Net(pl.LightningModule):
             self.trainer.save_checkpoint(os.path.join(self.args.out, "manual.ckpt"))
         if self.global_rank == 0:
             opt = self.trainer.optimizers[0]
-            torch.save({"model": self.state_dict(), "optimizer": opt.state_dict(), "step": self.global_step},
+            sched = self.trainer.lr_scheduler_configs[0].scheduler
+            torch.save({"model": self.state_dict(), "optimizer": opt.state_dict(), "step": self.global_step,
+                        "scheduler": {k: v for k, v in sched.state_dict().items() if k != "optimizer"}},
                        os.path.join(self.args.out, f"final-{self.args.tag}.pt"))
             cb = next(c for c in self.trainer.callbacks if isinstance(c, AsyncShardedCheckpoint))
             with open(os.path.join(self.args.out, f"resumed-{self.args.tag}.json"), "w") as f:
-                json.dump({"resumed_from": cb.resumed_from, "global_step": self.global_step}, f)
+                json.dump({"resumed_from": cb.resumed_from, "global_step": self.global_step,
+                           "restores": cb.restores}, f)
 
 
 def main() -> None:
@@ -116,19 +151,27 @@ def main() -> None:
     p.add_argument("--dump-restored", action="store_true")
     p.add_argument("--stateful", action="store_true", help="torchdata's StatefulDataLoader")
     p.add_argument("--level2", default=None, help="a second level: levels=[CKPT, LEVEL2]")
+    p.add_argument("--raise-at", type=int, default=-1, help="every rank raises right after this step")
+    p.add_argument("--lightning-last", type=int, default=0,
+                   help="also ModelCheckpoint(save_last=True, every_n_train_steps=N) in OUT/mc")
+    p.add_argument("--scheduler", default="step", choices=["step", "plateau", "exp"])
+    p.add_argument("--val", action="store_true", help="validate at every epoch end")
     args = p.parse_args()
     pl.seed_everything(1234, workers=True)
     where = {"levels": [args.ckpt, args.level2]} if args.level2 else {"dirpath": args.ckpt}
-    cb = AsyncShardedCheckpoint(**where, every_n_train_steps=args.every, keep_last=3, resume=args.resume)
+    cb = Counting(**where, every_n_train_steps=args.every, keep_last=3, resume=args.resume)
     callbacks = [cb]
+    if args.lightning_last:
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=os.path.join(args.out, "mc"), save_last=True,
+                                                      save_top_k=0, every_n_train_steps=args.lightning_last))
     if args.model_checkpoint:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=os.path.join(args.out, "mc"), monitor="loss",
                                                       save_top_k=2, every_n_train_steps=4))
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices,
                          strategy=args.strategy if args.devices > 1 else "auto", max_steps=args.max_steps,
                          callbacks=callbacks, logger=pl.loggers.CSVLogger(args.out, name=args.tag),
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                         num_sanity_val_steps=0, deterministic=True)
+                         enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=4 if args.val else 0, num_sanity_val_steps=0, deterministic=True)
     trainer.fit(Net(args), ckpt_path=args.ckpt_path)
 
 

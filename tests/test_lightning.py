@@ -17,6 +17,26 @@ from helpers import proc_stat
 
 pytestmark = pytest.mark.integration
 WORKER = os.path.join(os.path.dirname(__file__), "lightning_worker.py")
+FLAVOURS = ("lightning", "pytorch_lightning")
+
+
+@pytest.fixture(scope="module", autouse=True, params=FLAVOURS)
+def flavour(request):
+    """Every test runs under both Lightning distributions (the jobs read ``LIGHTNING_PACKAGE``)."""
+    before = os.environ.get("LIGHTNING_PACKAGE")
+    os.environ["LIGHTNING_PACKAGE"] = request.param
+    yield request.param
+    if before is None:
+        os.environ.pop("LIGHTNING_PACKAGE", None)
+    else:
+        os.environ["LIGHTNING_PACKAGE"] = before
+
+
+def lightning_module(flavour):
+    """The trainer package of ``flavour``."""
+    import importlib
+
+    return importlib.import_module("lightning.pytorch" if flavour == "lightning" else "pytorch_lightning")
 
 
 def run(out, ckpt, *args, expect_rc=0) -> subprocess.CompletedProcess:
@@ -261,6 +281,8 @@ def test_lightning_cli_with_the_example_yaml_fits_writes_and_resumes(tmp_path):
     ('{"every_n_train_steps": 5, "overhead_budget": 0.1, "dirpath": "x"}', "mutually exclusive"),
     ('{"dirpath": "x", "every_n_step": 5}', "every_n_step"),
     ('{"dirpath": "x", "keep_last": -2}', "keep_last=-2 is invalid"),
+    ('{"dirpath": "x", "every_n_train_steps": -3}', "every_n_train_steps=-3 is invalid"),  # the key the user wrote
+    ('{"dirpath": "x", "train_time_interval": "0:00:00"}', "train_time_interval=0.0 is invalid"),
 ])
 def test_bad_callback_configuration_fails_naming_the_value(tmp_path, override, message):
     cfg = tmp_path / "bad.yaml"
@@ -272,23 +294,105 @@ def test_bad_callback_configuration_fails_naming_the_value(tmp_path, override, m
     assert out.returncode != 0 and message in out.stderr, out.stderr[-2000:]
 
 
-def test_sharded_strategies_are_refused_and_unreachable_paths_named(tmp_path):
+def test_sharded_strategies_are_refused_and_unreachable_paths_named(tmp_path, flavour):
     from ckpt_engine.config import ConfigError
     from lightning_ckpt import AsyncShardedCheckpoint
-    with pytest.raises(ConfigError, match="every_n_steps and every_seconds are mutually exclusive"):
+    with pytest.raises(ConfigError, match="every_n_train_steps and train_time_interval are mutually exclusive"):
         AsyncShardedCheckpoint(dirpath="x", every_n_train_steps=3, train_time_interval=__import__("datetime").timedelta(1))
     with pytest.raises(ValueError, match="not both"):
         AsyncShardedCheckpoint(path="a", dirpath="b")
-    import pytorch_lightning as pl
+    pl = lightning_module(flavour)
     from ckpt_engine import CheckpointError
     cb = AsyncShardedCheckpoint(dirpath="nosuchproto://bucket/run", every_n_train_steps=1)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, callbacks=[cb], logger=False,
                          enable_checkpointing=False, enable_progress_bar=False)
     with pytest.raises(CheckpointError, match="nosuchproto://bucket/run"):
         cb.setup(trainer, None, "fit")
-    import types
+    class Trainer(pl.Trainer):
+        def __init__(self):  # only what setup() looks at before refusing
+            self._strategy = pl.strategies.FSDPStrategy()
 
-    from pytorch_lightning.strategies import FSDPStrategy
-    fsdp = types.SimpleNamespace(strategy=FSDPStrategy(), world_size=1)
+        strategy = property(lambda self: self._strategy)
+        world_size = 1
+
+    fsdp = Trainer()
     with pytest.raises(CheckpointError, match="does not support FSDPStrategy yet"):
         AsyncShardedCheckpoint(dirpath=str(tmp_path), every_n_train_steps=1).setup(fsdp, None, "fit")
+
+
+# ---- real users' habits (issue #13) -------------------------------------------------------------
+def test_ckpt_path_last_restores_exactly_one_checkpoint_the_newer(tmp_path):
+    """ModelCheckpoint(save_last=True) users resume with ckpt_path="last": Lightning's last.ckpt
+    (step 21, newer) is restored and ours (step 20) is named, not half-restored beside it."""
+    ck = tmp_path / "ck"
+    run(tmp_path, ck, "--lightning-last", "7", "--kill-at", "23", "--tag", "killed", expect_rc=None)
+    assert Checkpointer(str(ck)).latest_step() == 20
+    assert torch.load(tmp_path / "mc" / "last.ckpt", weights_only=False)["global_step"] == 21
+    proc = run(tmp_path, ck, "--lightning-last", "7", "--ckpt-path", "last", "--tag", "last")
+    info = json.load(open(tmp_path / "resumed-last.json"))
+    assert info == {"resumed_from": None, "global_step": 40, "restores": 0}
+    log = proc.stdout + proc.stderr
+    assert "not restoring this callback's newest checkpoint (step 20" in log, log[-3000:]
+
+
+def test_ckpt_path_last_older_than_ours_restores_ours_bitwise(uninterrupted, tmp_path):
+    ck = tmp_path / "ck"
+    run(tmp_path, ck, "--lightning-last", "8", "--kill-at", "23", "--tag", "killed", expect_rc=None)
+    assert Checkpointer(str(ck)).latest_step() == 20  # Lightning's last.ckpt is at step 16
+    proc = run(tmp_path, ck, "--lightning-last", "8", "--ckpt-path", "last", "--tag", "last")
+    info = json.load(open(tmp_path / "resumed-last.json"))
+    assert info == {"resumed_from": 20, "global_step": 40, "restores": 1}
+    log = proc.stdout + proc.stderr
+    assert "is restored instead" in log and "last.ckpt is not used" in log, log[-3000:]
+    assert "dataloader is not resumable" not in log  # the callback resumes the data position
+    assert_bitwise(final(uninterrupted[0], "ref"), final(tmp_path, "last"))
+
+
+def test_explicit_ckpt_path_of_ours_with_resume_auto_reads_it_once(tmp_path):
+    ck = tmp_path / "ck"
+    run(tmp_path, ck, "--max-steps", "12", "--tag", "first")
+    newest = sorted(p for p in os.listdir(ck) if p.startswith("step-"))[-1]
+    run(tmp_path, ck, "--max-steps", "16", "--ckpt-path", str(ck / newest), "--tag", "second")
+    assert json.load(open(tmp_path / "resumed-second.json")) == {"resumed_from": 12, "global_step": 16,
+                                                                 "restores": 1}
+
+
+def test_resume_names_the_dead_runs_newer_lightning_checkpoints(tmp_path):
+    ck = tmp_path / "ck"
+    run(tmp_path, ck, "--lightning-last", "7", "--kill-at", "23", "--tag", "killed", expect_rc=None)
+    proc = run(tmp_path, ck, "--lightning-last", "7", "--max-steps", "24", "--tag", "auto")
+    assert json.load(open(tmp_path / "resumed-auto.json"))["resumed_from"] == 20
+    log = proc.stdout + proc.stderr
+    assert "written after it by the interrupted run stay in place" in log and "last.ckpt" in log, log[-3000:]
+
+
+@pytest.mark.parametrize("strategy", ["ddp_spawn", "ddp"])
+def test_an_exception_right_after_a_checkpoint_still_commits_it(tmp_path, strategy):
+    """Every rank raises right after the step-10 checkpoint started: fit() ends only once it is committed."""
+    ck = tmp_path / "ck"
+    proc = run(tmp_path, ck, "--strategy", strategy, "--raise-at", "10", "--tag", "raised", expect_rc=None)
+    assert proc.returncode != 0 and "injected failure at step 10" in proc.stdout + proc.stderr
+    assert Checkpointer(str(ck)).latest_step() == 10, proc.stderr[-3000:]
+    entry = committed(Checkpointer(str(ck)).storage)[-1]
+    assert entry.manifest.world_size == 2
+
+
+@pytest.mark.parametrize("scheduler", ["plateau", "exp"])
+def test_epoch_schedulers_and_validation_across_a_resume_are_bitwise(tmp_path, scheduler):
+    """Lightning steps no epoch-interval scheduler (ReduceLROnPlateau included) at the end of an epoch
+    it restarted, and skips an epoch's end (validation, schedulers) entirely when restarted from its
+    last batch. Resumed from our checkpoints, mid-epoch (step 20) and at an epoch's end (step 16),
+    the run must match the uninterrupted one."""
+    flags = ["--val", "--scheduler", scheduler]
+    ref = tmp_path / "ref"
+    run(ref, ref / "ck", *flags, "--tag", "ref")
+    for every, kill_at, restored in ((5, 23, 20), (8, 19, 16)):
+        out = tmp_path / f"every{every}"
+        ck = out / "ck"
+        run(out, ck, *flags, "--every", str(every), "--kill-at", str(kill_at), "--tag", "killed", expect_rc=None)
+        assert Checkpointer(str(ck)).latest_step() == restored
+        run(out, ck, *flags, "--every", str(every), "--tag", "resumed")
+        assert json.load(open(out / "resumed-resumed.json"))["resumed_from"] == restored
+        a, b = final(ref, "ref"), final(out, "resumed")
+        assert a["scheduler"] == b["scheduler"], restored
+        assert_bitwise(a, b)
