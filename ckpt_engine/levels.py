@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 
 import xxhash
 
+from .agree import on_rank0
 from .catalog import manifest_dirs, parse_dir
 from .comm import Comm
 from .commit import sweep
@@ -33,6 +34,7 @@ from .errors import CheckpointError, FormatError
 from .flush import FLUSHING
 from .manifest import MANIFEST_NAME, Manifest, RankIndex, RankRecord, data_file, index_file, seal, unseal
 from .storage import Storage
+from .strict_json import parse_json
 
 RANK_COMMIT = "rank-commit.json"
 """On a node-local level 1: a rank's own commit of its files, written last."""
@@ -100,12 +102,12 @@ class RankCommit:
     @staticmethod
     def from_json(raw: bytes, where: str) -> "RankCommit":
         """Check the seal and fields; :class:`FormatError` / ``CorruptionError`` name ``where``."""
+        d = parse_json(unseal(raw, where), where)
         try:
-            d = json.loads(unseal(raw, where))
             record = RankRecord(d["rank"], d["data_bytes"], d["index_bytes"], d["index_xxh3"])
             rc = RankCommit(d["step"], d["rank"], d["world_size"], d["attempt"], float(d["created_at"]), record,
                             d["manifest"])
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, OverflowError) as e:
             raise FormatError(f"{where}: not a rank commit ({type(e).__name__}: {e})") from None
         if d.get("format_version") != 1 or not isinstance(rc.body, dict) or rc.body.get("step") != rc.step:
             raise FormatError(f"{where}: unknown format_version or inconsistent fields")
@@ -179,14 +181,7 @@ def open_levels(specs: Sequence[LevelSpec], comm: Comm, new_generation: Callable
         if s.protocol == "memory" and world > 1:
             raise CheckpointError(f"levels[{i}] ({s.describe('')}): memory:// lives in one process and cannot hold "
                                   f"a checkpoint of {world} ranks; use a filesystem or object store")
-    generation = None
-    if rank == 0:
-        generation = new_generation()
-        for s in storages:
-            s.makedirs("")
-            if world > 1:
-                s.write_atomic(f"{_PROBE}{generation}", b"", durable=False)
-    generation = comm.broadcast(generation)
+    generation = on_rank0(comm, lambda: _create_roots(storages, world, new_generation()))
     shared, catalogs = [True] * len(storages), [[]]
     if world > 1:
         seen = [s.exists(f"{_PROBE}{generation}") for s in storages]
@@ -210,15 +205,29 @@ def open_levels(specs: Sequence[LevelSpec], comm: Comm, new_generation: Callable
         levels[0].storage.makedirs("")
         sweep(levels[0].storage, RANK_COMMIT)
     complete = complete_everywhere(catalogs, world) if node_local else []
-    recover: list[str | None] = []
-    if rank == 0:
-        for level in levels if not node_local else levels[1:]:
-            sweep(level.storage)
-        for level in levels[1:]:
-            level.storage.remove(FLUSHING)
-        recover = [_to_recover(levels[0], level, complete, world) for level in levels[1:]]
-    recover = comm.broadcast(recover)  # also: every sweep is done before any rank writes
+    # Also: every sweep is done before any rank writes (rank 0's failure is raised on every rank).
+    recover = on_rank0(comm, lambda: _sweep_shared(levels, node_local, complete, world))
     return Opening(levels, generation, tuple((int(s), str(d)) for s, d in complete), tuple(recover))
+
+
+def _create_roots(storages: Sequence[Storage], world: int, generation: str) -> str:
+    """Rank 0: create every level's root and, with several ranks, a probe file each rank looks for."""
+    for s in storages:
+        s.makedirs("")
+        if world > 1:
+            s.write_atomic(f"{_PROBE}{generation}", b"", durable=False)
+    return generation
+
+
+def _sweep_shared(levels: Sequence[Level], node_local: bool, complete: Sequence[tuple[int, str]],
+                  world: int) -> list[str | None]:
+    """Rank 0: sweep the shared levels, drop stale ``flushing`` decisions; per lower level, the
+    checkpoint to flush again (see :func:`_to_recover`)."""
+    for level in levels if not node_local else levels[1:]:
+        sweep(level.storage)
+    for level in levels[1:]:
+        level.storage.remove(FLUSHING)
+    return [_to_recover(levels[0], level, complete, world) for level in levels[1:]]
 
 
 def _to_recover(fast: Level, lower: Level, complete: Sequence[tuple[int, str]], world: int) -> str | None:

@@ -75,6 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ckpt-config", default=None, help="YAML with the checkpoint flags")
     p.add_argument("--every", type=int, default=None, help="checkpoint every N steps (when no YAML)")
     p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--first-epoch", type=int, default=0, help="number of the first epoch (Horovod examples: 1)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps in all")
     p.add_argument("--samples", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8, help="per rank")
@@ -121,9 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     log = open(os.path.join(args.sample_log, f"rank-{hvd.rank()}.jsonl"), "a") if args.sample_log else None
 
     step = start
-    for epoch in range(ck.epoch, args.epochs):  # ckpt: was range(args.epochs)
+    for epoch in ck.epochs(args.first_epoch, args.first_epoch + args.epochs):  # ckpt: was range(...)
         model.train()
-        sampler.set_epoch(epoch)
+        sampler.set_epoch(epoch)  # ck.epochs() set it already: harmless, as in any existing script
         for x, y, ids in loader:
             optimizer.zero_grad()
             loss = F.cross_entropy(model(x), y)

@@ -36,6 +36,7 @@ import torch
 from horovod.torch.elastic import TorchState
 
 from ckpt_engine import Checkpointer
+from ckpt_engine.errors import NoCheckpointError
 from ckpt_engine.resumable import rng_state
 from ckpt_engine.schedule import Schedule
 
@@ -129,14 +130,14 @@ class DurableTorchState(TorchState):
 
     def _restore_durable(self) -> None:
         assert self._ck is not None
-        comm = self._ck.comm
-        step = comm.broadcast(self._ck.latest_step() if comm.rank == 0 else None)
-        if step is None:
+        # Every worker takes part (a collective: the newest checkpoint that verifies everywhere,
+        # falling back past damaged ones; failures raised on every worker); the inherited sync()
+        # that follows broadcasts rank 0's state anyway, as after any elastic reset.
+        try:
+            restored = self._ck.restore()
+        except NoCheckpointError:
             return
-        # Every worker reads (a multi-level load is a collective); the inherited sync() that
-        # follows broadcasts rank 0's state anyway, as after any elastic reset.
-        state = self._ck.load(step)
-        local = self._ck.load_local(rank=0)
+        state, local, step = restored.state, restored.first, restored.step
         for name, handler in self._handlers.items():
             saved = state["objects"][name]
             if isinstance(handler.value, torch.nn.Module):

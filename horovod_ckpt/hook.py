@@ -5,8 +5,7 @@ Order of calls, on every rank, from the training thread::
     hvd.init(); ... model, optimizer = hvd.DistributedOptimizer(...), sampler, loader ...
     ck = HorovodCheckpointer(path, model=model, optimizer=optimizer, sampler=sampler, every_n_steps=50)
     start_step = ck.restore()     # 0 when nothing is committed; else every rank holds the state
-    for epoch in range(ck.epoch, epochs):
-        sampler.set_epoch(epoch)
+    for epoch in ck.epochs(1, epochs + 1):   # the script's numbering; sets the sampler's epoch
         for batch in loader:
             ...; optimizer.step()
             ck.after_step()       # collective-free except once per checkpoint (rank 0 decides)
@@ -22,17 +21,23 @@ re-split across the ranks when their number changed.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+import warnings
+from typing import Any, Callable, Iterator, Mapping
 
 import yaml
 
 from ckpt_engine import Checkpointer, CheckpointError
+from ckpt_engine.agree import on_every_rank
+from ckpt_engine.errors import NoCheckpointError
+from ckpt_engine.restore_agreed import Restored
 from ckpt_engine.comm import Comm
 from ckpt_engine.config import CheckpointConfig
 from ckpt_engine.figures import FigureReporter
 from ckpt_engine.resumable import make_resumable, rng_state, set_rng_state
 from ckpt_engine.schedule import Schedule
 
+from . import _hparams
+from ._hparams import Hparams, OptimizerHparams
 from ._preempt import PreemptionWatch
 from ._state import Tracked
 from .comm import HorovodComm, import_horovod
@@ -61,6 +66,13 @@ class HorovodCheckpointer:
             on the step), then the signal is raised again under the previous handler.
         final_checkpoint: ``close()`` saves the last step when it is not saved yet.
         on_figures: called on rank 0 with each checkpoint's figures (also in ``figures.jsonl``).
+        optimizer_hparams: after a restore, the optimizer's hyper-parameters (``lr``, momentum,
+            weight decay... every param group key but ``params``) and the scheduler's ``base_lrs``
+            are the checkpoint's (``"checkpoint"``: rank 0 warns, naming the values, when the world
+            size changed and they differ from the script's, e.g. an ``lr`` scaled by ``hvd.size()``)
+            or the script's (``"script"``: the optimizer state such as momentum and ``exp_avg`` and
+            the scheduler's position stay restored; a scheduled ``lr`` continues the restored
+            schedule on the script's base). See :mod:`horovod_ckpt._hparams`.
         max_inflight, commit_timeout: passed to :class:`~ckpt_engine.Checkpointer`.
         comm: the communicator (default :class:`~horovod_ckpt.comm.HorovodComm`; tests inject one).
     """
@@ -73,7 +85,9 @@ class HorovodCheckpointer:
                  storage_options: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None,
                  save_on_sigterm: bool = True, final_checkpoint: bool = True,
                  on_figures: Callable[[dict[str, Any]], None] | None = None, max_inflight: int = 1,
-                 commit_timeout: float = 600.0, comm: Comm | None = None) -> None:
+                 commit_timeout: float = 600.0, comm: Comm | None = None,
+                 optimizer_hparams: OptimizerHparams = "checkpoint") -> None:
+        self.optimizer_hparams = _hparams.check_choice(optimizer_hparams)
         flags = {"path": path, "every_n_steps": every_n_steps, "every_seconds": every_seconds,
                  "overhead_budget": overhead_budget, "max_interval": max_interval, "keep_last": keep_last,
                  "levels": levels, "storage_options": storage_options}
@@ -90,13 +104,16 @@ class HorovodCheckpointer:
         self.step = 0
         self.epoch = 0
         """After :meth:`restore`: the epoch to run next (the interrupted one, or the next when
-        the checkpoint ended an epoch). Then it follows the sampler's epochs."""
+        the checkpoint ended an epoch), in the numbering of the script that wrote it when that
+        script used :meth:`epochs`. Then the running epoch (the sampler's without :meth:`epochs`)."""
         self.samples_in_epoch = 0
         """After :meth:`restore`: samples of that epoch all ranks together had already consumed."""
         self.batch_in_epoch = 0
         """After :meth:`restore`: batches of that epoch each rank had already consumed (exact on
         the same number of ranks; with another number, the completed batches of the new split)."""
         self.resumed_from: int | None = None
+        self._loop: dict[str, Any] | None = None  # while epochs() drives the loop: see loop_state()
+        self._resume_epoch: int | None = None     # after restore(): the script's next epoch, when known
         self._last_saved: int | None = None
         self._figures = FigureReporter(self.ck, self.policy)  # rank 0: saves and flushes not yet reported
         self._closed = False
@@ -118,38 +135,90 @@ class HorovodCheckpointer:
         """Load the newest committed checkpoint (or ``step``) into the tracked objects, on every rank.
 
         Returns the restored step, or 0 (and changes nothing) when nothing is committed. Also puts
-        back this rank's RNG states and the sampler's position. Call it after the initial
-        ``hvd.broadcast_parameters`` / ``broadcast_optimizer_state`` and before the loop.
+        back this rank's RNG states and the sampler's position; the optimizer's hyper-parameters
+        follow ``optimizer_hparams``. Call it after the initial ``hvd.broadcast_parameters`` /
+        ``broadcast_optimizer_state`` and before the loop. A failure on any rank (rank 0 listing
+        the checkpoints, any rank reading or loading them) is raised on every rank.
         """
         self._check_open()
-        if step is None:
-            step = self.comm.broadcast(self.ck.latest_step() if self.rank == 0 else None)
-            if step is None:
-                return 0
-        state = self.ck.load(step)
-        own = self.ck.load_local()
-        mine = own if own is not None else self.ck.load_local(rank=0)
+        try:  # the newest checkpoint (or step's) that verifies on every rank, all parts this rank reads
+            restored = self.ck.restore(step)
+        except NoCheckpointError:
+            return 0
+        warning = on_every_rank(self.comm, lambda: self._apply_restored(restored))
+        if warning:
+            warnings.warn(warning, stacklevel=2)
+        return self.step
+
+    def _apply_restored(self, restored: Restored) -> str | None:
+        """This rank's part of :meth:`restore`; returns rank 0's hyper-parameter warning, if any."""
+        optimizer, scheduler = self.tracked.optimizer, self.tracked.scheduler
+        script = Hparams.of(optimizer, scheduler) if optimizer is not None else None
+        state, own = restored.state, restored.local
+        mine = own if own is not None else restored.first
         self.tracked.apply(state["objects"], mine["objects"])
         self.policy.load_state_dict(state.get("policy") or {})
         self.step = self.resumed_from = self._last_saved = int(state["step"])
         rng = own["rng"] if own is not None else None
         if rng is not None:
             set_rng_state(rng)
-        self._resume_data(mine.get("data"), rng)
+        self._resume_data(mine.get("data"), rng, state.get("loop"))
         self.schedule.restart_clock()
-        return self.step
+        return self._hparams_after_restore(script)
 
-    def _resume_data(self, pos: dict[str, Any] | None, rng: dict[str, Any] | None) -> None:
-        if pos is None or self.sampler is None:
-            return
-        # Between restore() and the resumed iteration the DataLoader draws its own seed from the
-        # global RNG (at iter()); the uninterrupted run had no such draw mid-epoch, so the
-        # restored RNG is put back once more when the iteration starts.
-        on_start = (lambda: set_rng_state(rng)) if rng is not None else None
-        self.epoch, done = self.sampler.resume_at(pos, on_start)
-        self.samples_in_epoch = done if pos["mode"] == "global" else done * self.world_size
-        bs = pos.get("batch_size") or 0
-        self.batch_in_epoch = self.samples_in_epoch // (self.world_size * bs) if bs else 0
+    def _hparams_after_restore(self, script: Hparams | None) -> str | None:
+        """``"script"``: put the script's values back; ``"checkpoint"``: rank 0's warning, if due."""
+        if script is None:
+            return None
+        optimizer, scheduler = self.tracked.optimizer, self.tracked.scheduler
+        if self.optimizer_hparams == "script":
+            _hparams.put_back(optimizer, scheduler, script)
+            return None
+        manifest = self.ck.loaded_manifest
+        if self.rank != 0 or manifest is None:
+            return None
+        return _hparams.changed_message(Hparams.of(optimizer, scheduler), script, manifest.world_size,
+                                        self.world_size)
+
+    def _resume_data(self, pos: dict[str, Any] | None, rng: dict[str, Any] | None,
+                     loop: dict[str, Any] | None) -> None:
+        sampler_epoch = None
+        if pos is not None and self.sampler is not None:
+            # Between restore() and the resumed iteration the DataLoader draws its own seed from the
+            # global RNG (at iter()); the uninterrupted run had no such draw mid-epoch, so the
+            # restored RNG is put back once more when the iteration starts.
+            on_start = (lambda: set_rng_state(rng)) if rng is not None else None
+            sampler_epoch, done = self.sampler.resume_at(pos, on_start)
+            self.samples_in_epoch = done if pos["mode"] == "global" else done * self.world_size
+            bs = pos.get("batch_size") or 0
+            self.batch_in_epoch = self.samples_in_epoch // (self.world_size * bs) if bs else 0
+        self._resume_epoch = next_epoch(loop, sampler_epoch)
+        if self._resume_epoch is not None:
+            self.epoch = self._resume_epoch
+
+    # ---- the epoch loop -----------------------------------------------------------------------
+    def epochs(self, start: int, stop: int) -> Iterator[int]:
+        """The epochs still to run, in the script's numbering: ``range(start, stop)`` on a fresh
+        start; after :meth:`restore`, from the interrupted epoch (or the next one when the
+        checkpoint ended an epoch) to ``stop``.
+
+        Replaces the script's ``range``: ``for epoch in ck.epochs(1, args.epochs + 1)`` where it had
+        ``range(1, args.epochs + 1)`` (Horovod's examples count from 1), or ``ck.epochs(0, epochs)``.
+        Any ``start`` works, provided the resumed script counts as the one that wrote the
+        checkpoint did. Before each epoch the sampler's ``set_epoch(epoch)`` is called with that
+        number (a script's own ``set_epoch(epoch)`` is then harmless). Checkpoints record the
+        script's epoch and how it maps to the sampler's, so a sampler without ``set_epoch``
+        (counting its iterations from 0) resumes in step too. Without a sampler no data position
+        is known: the interrupted epoch runs again from its start. Every rank, after :meth:`restore`.
+        """
+        first = start if self._resume_epoch is None else max(start, self._resume_epoch)
+        for epoch in range(first, stop):
+            if self.sampler is not None and hasattr(self.sampler, "set_epoch"):
+                self.sampler.set_epoch(epoch)
+            self.epoch = epoch
+            self._loop = loop_state(epoch, self.sampler)
+            yield epoch
+            self._loop = {**self._loop, "ended": True}
 
     # ---- saving -------------------------------------------------------------------------------
     def after_step(self) -> bool:
@@ -162,7 +231,8 @@ class HorovodCheckpointer:
         self.step += 1
         if self.sampler is not None:
             self.sampler.note_step()
-            self.epoch = self.sampler._ckpt_epoch
+            if self._loop is None:
+                self.epoch = self.sampler._ckpt_epoch
         preempted = self._preempt.agreed()
         due = self.schedule.should_save(self.step)
         if due or preempted:
@@ -189,7 +259,7 @@ class HorovodCheckpointer:
 
     def _save(self) -> None:
         replicated, per_rank = self.tracked.capture()
-        state = {"objects": replicated, "step": self.step, "policy": self.policy.state_dict()}
+        state = {"objects": replicated, "step": self.step, "policy": self.policy.state_dict(), "loop": self._loop}
         local = {"objects": per_rank, "rng": rng_state(),
                  "data": self.sampler.data_position() if self.sampler is not None else None}
         self.ck.save(state, self.step, local)
@@ -236,6 +306,26 @@ class HorovodCheckpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this HorovodCheckpointer is closed")
+
+
+def loop_state(epoch: int, sampler: Any) -> dict[str, Any]:
+    """What a checkpoint records of the loop :meth:`HorovodCheckpointer.epochs` drives: the script's
+    ``epoch``, whether its body ``ended`` (set when the loop moves on; only the last epoch's is
+    ever saved so), and ``offset``, the script's number minus the sampler's (0 when ``epochs()``
+    sets the sampler's epoch; else the sampler counts its own iterations), ``None`` without one."""
+    offset = epoch - sampler._ckpt_next_epoch() if sampler is not None else None
+    return {"epoch": epoch, "ended": False, "offset": offset}
+
+
+def next_epoch(loop: dict[str, Any] | None, sampler_epoch: int | None) -> int | None:
+    """The script's epoch to run next after a restore: the sampler's resumed epoch (already one
+    further when the checkpoint ended an epoch) in the script's numbering; without a sampler, the
+    saved epoch, or the next when its body had ended; ``None`` when the checkpoint does not say."""
+    if sampler_epoch is not None:
+        return sampler_epoch + (loop["offset"] if loop is not None and loop["offset"] is not None else 0)
+    if loop is not None:
+        return int(loop["epoch"]) + (1 if loop["ended"] else 0)
+    return None
 
 
 def make_checkpointer(config: CheckpointConfig, comm: Comm, **kwargs: Any) -> Checkpointer:

@@ -7,6 +7,15 @@ its state and the indices its sampler yields for the rest of the interrupted epo
 ``elastic``: an ``hvd.elastic.run`` job with :class:`~horovod_ckpt.DurableTorchState`; every
 batch is committed (and so checkpointed). It dumps its weights when ``train`` first starts (after
 the durable restore and the sync) and at the end.
+
+``hparams``: Adam with its learning rate scaled by ``hvd.size()``, as Horovod's examples scale it.
+``--phase save`` trains 3 steps and closes (final checkpoint); ``--phase restore`` restores that
+checkpoint once per ``--modes`` entry (``optimizer_hparams``; "checkpoint" is passed as nothing,
+the default) and dumps the learning rates and the optimizer state each restore left.
+
+``fault``: ``restore()`` of a committed checkpoint with a failure injected on one rank
+(``--fail latest``: rank 0's listing of the checkpoints; ``--fail load``: rank 1's read), then a
+collective, as training would make.
 """
 
 from __future__ import annotations
@@ -80,24 +89,80 @@ def elastic(args: argparse.Namespace) -> None:
     print(json.dumps({"done": state.durable_step, "rank": hvd.rank()}), flush=True)
 
 
+def _adam_job() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01 * hvd.size())  # Horovod: scale lr by size
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    return model, hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+
+
+def hparams(args: argparse.Namespace) -> None:
+    rank, size = hvd.rank(), hvd.size()
+    if args.phase == "save":
+        model, optimizer = _adam_job()
+        ck = HorovodCheckpointer(args.ckpt_dir, model=model, optimizer=optimizer)
+        for step in range(3):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(torch.randn(4, 8, generator=g)), torch.zeros(4, 4)).backward()
+            optimizer.step()
+            ck.after_step()
+        ck.close()
+        torch.save(optimizer.state_dict(), os.path.join(args.out, f"saved-rank{rank}.pt"))
+        return
+    for mode in args.modes.split(","):
+        model, optimizer = _adam_job()
+        chosen = {} if mode == "checkpoint" else {"optimizer_hparams": mode}
+        ck = HorovodCheckpointer(args.ckpt_dir, model=model, optimizer=optimizer, final_checkpoint=False, **chosen)
+        ck.restore()
+        ck.close()
+        torch.save({"lr": [g["lr"] for g in optimizer.param_groups], "state": optimizer.state_dict()["state"]},
+                   os.path.join(args.out, f"{mode}-rank{rank}-of{size}.pt"))
+
+
+def fault(args: argparse.Namespace) -> None:
+    from ckpt_engine import CorruptionError
+
+    ex = horovod_train.parse_args(["--ckpt-dir", args.ckpt_dir])
+    sampler, _, model, optimizer, scheduler = horovod_train.build(ex)
+    ck = HorovodCheckpointer(args.ckpt_dir, model=model, optimizer=optimizer, sampler=sampler,
+                             scheduler=scheduler, final_checkpoint=False)
+    from ckpt_engine import restore_agreed
+
+    rank, function, what = {"latest": (0, "manifest_dirs", "the listing"),
+                            "load": (1, "read_for_rank", "the read")}[args.fail]
+    if hvd.rank() == rank:
+        def fail(*a: object, **k: object) -> None:
+            raise CorruptionError(f"injected into {what} on rank {rank}")
+
+        setattr(restore_agreed, function, fail)
+    ck.restore()
+    hvd.allreduce(torch.zeros(1), name="training.goes.on")
+    ck.close()
+
+
 def _dump(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["restore", "elastic"])
+    p.add_argument("mode", choices=["restore", "elastic", "hparams", "fault"])
     p.add_argument("--ckpt-dir", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batches", type=int, default=4)
     p.add_argument("--step-delay", type=float, default=0.0)
+    p.add_argument("--phase", choices=["save", "restore"], default="save")
+    p.add_argument("--modes", default="checkpoint")
+    p.add_argument("--fail", choices=["latest", "load"], default="latest")
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     hvd.init()
     os.makedirs(args.out, exist_ok=True)
-    restore(args) if args.mode == "restore" else elastic(args)
+    {"restore": restore, "elastic": elastic, "hparams": hparams, "fault": fault}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -428,3 +428,229 @@ def test_elastic_job_commits_durably_and_resumes_after_a_restart(tmp_path):
     for rank in (0, 1):  # continuing from the durable commit ends where the uninterrupted job ended
         assert_same(torch.load(tmp_path / "b" / f"final-rank{rank}.pt", weights_only=False),
                     torch.load(ref / f"final-rank{rank}.pt", weights_only=False))
+
+
+# ---- issue #13: where real users' scripts break ------------------------------------------------------
+
+def rank_output(out: str, rank: int) -> str:
+    """What rank ``rank`` printed (horovodrun prefixes each line with ``[rank]<stdout|stderr>:``)."""
+    prefixes = (f"[{rank}]<stdout>:", f"[{rank}]<stderr>:")
+    return "\n".join(line for line in out.splitlines() if line.startswith(prefixes))
+
+
+@needs_horovod
+@job
+def test_another_np_warns_of_the_restored_learning_rate_or_keeps_the_scripts(tmp_path):
+    """Item 7: the lr is scaled by hvd.size(); -np 2 -> 3 restores the 2-rank rate with a warning naming
+    both, or keeps the script's with optimizer_hparams="script"; the optimizer state is restored either way."""
+    args = ["hparams", "--ckpt-dir", str(tmp_path / "ck"), "--out", str(tmp_path)]
+    run(2, WORKER, *args, "--phase", "save")
+    restored = launch(3, WORKER, *args, "--phase", "restore", "--modes", "checkpoint,script")
+    out = finish(restored, expect_rc=None)
+    said = "lr: restored 0.02 (saved by 2 ranks), script 0.03 (3 ranks)"
+    assert said in rank_output(out, 0) and out.count(said) == 1, out[-4000:]
+    assert "optimizer_hparams='script'" in out and restored.returncode == 0, out[-4000:]
+    saved = torch.load(tmp_path / "saved-rank0.pt", weights_only=False)
+    assert saved["param_groups"][0]["lr"] == 0.02 and "exp_avg" in saved["state"][0]
+    for rank in range(3):
+        kept = torch.load(tmp_path / f"checkpoint-rank{rank}-of3.pt", weights_only=False)
+        script = torch.load(tmp_path / f"script-rank{rank}-of3.pt", weights_only=False)
+        assert kept["lr"] == [0.02] and script["lr"] == [0.03]
+        assert_same(kept["state"], saved["state"])
+        assert_same(script["state"], saved["state"])  # exp_avg, exp_avg_sq, step: the checkpoint's
+
+
+def _sgd_job(lr: float, weight_decay: float):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=weight_decay)
+    return model, optimizer, torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=10)
+
+
+def _steps(model, optimizer, scheduler, n: int, ck=None) -> None:
+    for _ in range(n):
+        optimizer.zero_grad()
+        model(torch.ones(3, 4)).sum().backward()
+        optimizer.step()
+        scheduler.step()
+        if ck is not None:
+            ck.after_step()
+
+
+def test_optimizer_hparams_script_keeps_the_scripts_values_and_the_schedules_position(tmp_path):
+    """Item 7, with a warm-up scheduler: "script" puts back the script's hyper-parameters and base
+    lrs, and the lr continues the restored schedule on the script's base; "checkpoint" keeps all."""
+    from ckpt_engine.comm import LocalComm
+    from horovod_ckpt import HorovodCheckpointer
+
+    def hook(model, optimizer, scheduler, **kw):
+        return HorovodCheckpointer(str(tmp_path), model=model, optimizer=optimizer, scheduler=scheduler,
+                                   comm=LocalComm(), save_on_sigterm=False, **kw)
+
+    model, optimizer, scheduler = _sgd_job(0.02, 1e-4)
+    ck = hook(model, optimizer, scheduler)
+    _steps(model, optimizer, scheduler, 4, ck)
+    ck.close()
+    saved_lr, saved_state = optimizer.param_groups[0]["lr"], optimizer.state_dict()["state"]
+
+    model, optimizer, scheduler = _sgd_job(0.03, 5e-4)
+    assert hook(model, optimizer, scheduler, optimizer_hparams="script").restore() == 4
+    group = optimizer.param_groups[0]
+    assert scheduler.base_lrs == [0.03] and group["initial_lr"] == 0.03 and scheduler.last_epoch == 4
+    assert group["weight_decay"] == 5e-4 and group["lr"] == pytest.approx(saved_lr * 1.5)
+    assert scheduler.get_last_lr() == [group["lr"]]
+    assert_same(optimizer.state_dict()["state"], saved_state)
+    _steps(model, optimizer, scheduler, 1)
+    ref_model, ref_optimizer, ref_scheduler = _sgd_job(0.03, 5e-4)  # the schedule on the script's base
+    _steps(ref_model, ref_optimizer, ref_scheduler, 5)
+    assert group["lr"] == pytest.approx(ref_optimizer.param_groups[0]["lr"])
+
+    model, optimizer, scheduler = _sgd_job(0.03, 5e-4)
+    hook(model, optimizer, scheduler).restore()
+    group = optimizer.param_groups[0]
+    assert (scheduler.base_lrs, group["weight_decay"], group["lr"]) == ([0.02], 1e-4, saved_lr)
+    with pytest.raises(ValueError, match=r"optimizer_hparams='scirpt' is invalid.*'checkpoint'.*'script'"):
+        hook(model, optimizer, scheduler, optimizer_hparams="scirpt")
+
+
+@needs_horovod
+@job
+def test_epochs_counted_from_one_resume_at_the_same_epoch_number_bitwise_exact(tmp_path):
+    """Item 8: Horovod's examples count epochs from 1. With ``ck.epochs(1, epochs + 1)`` a job killed
+    mid-epoch and run again trains epochs 1..3 (no extra epoch 0), the same samples at every step,
+    each sample once per epoch, and ends with the weights of an uninterrupted run."""
+    flags = ["--first-epoch", "1", "--epochs", "3", "--every", "5"]
+    ref, got = tmp_path / "ref", tmp_path / "got"
+    for d in (ref, got):
+        (d / "log").mkdir(parents=True)
+    run(2, EXAMPLE, *flags, "--ckpt-dir", str(ref / "ck"), "--sample-log", str(ref / "log"), "--out", str(ref / "out"))
+    assert {row["epoch"] for row in steps_logged(ref / "log").values()} == {1, 2, 3}
+    args = [*flags, "--ckpt-dir", str(got / "ck"), "--sample-log", str(got / "log"), "--out", str(got / "out")]
+    killed = launch(2, EXAMPLE, *args, "--step-delay", "0.1")
+    # Mid epoch 2 (steps 9..16), after the checkpoint of step 10 committed.
+    wait_until(lambda: max(steps_logged(got / "log"), default=0) >= 12 and 10 in committed_steps(got / "ck"), killed)
+    kill_job(killed)
+    resumed_from = max(committed_steps(got / "ck"))
+    assert resumed_from % STEPS_PER_EPOCH != 0, "the test wants a mid-epoch resume"
+
+    out = run(2, EXAMPLE, *args)
+    assert f"resumed from step {resumed_from}, epoch {1 + resumed_from // STEPS_PER_EPOCH}" in out, out
+    for rank in (0, 1):
+        assert_same(load_final(got / "out", rank), load_final(ref / "out", rank))
+    per_epoch: dict[int, list[int]] = {}
+    for rank in (0, 1):
+        mine, theirs = steps_logged(got / "log", rank), steps_logged(ref / "log", rank)
+        assert sorted(mine) == list(range(1, 3 * STEPS_PER_EPOCH + 1)) and mine == theirs
+        for row in mine.values():
+            per_epoch.setdefault(row["epoch"], []).extend(row["ids"])
+    assert sorted(per_epoch) == [1, 2, 3]
+    for ids in per_epoch.values():
+        assert sorted(ids) == list(range(SAMPLES))
+
+
+def test_epochs_without_set_epoch_or_sampler_continue_in_the_scripts_numbering(tmp_path):
+    """Item 8 in one process: a sampler without ``set_epoch`` counts its own iterations from 0, the
+    script from 1; a checkpoint at the last step of epoch 1 resumes at epoch 2 with the sampler's
+    next permutation. Without a sampler the interrupted epoch runs again from its start."""
+    from ckpt_engine.comm import LocalComm
+    from horovod_ckpt import HorovodCheckpointer
+
+    data = list(range(12))
+
+    def hook(name: str, sampler) -> HorovodCheckpointer:
+        return HorovodCheckpointer(str(tmp_path / name), model=torch.nn.Linear(1, 1), sampler=sampler,
+                                   comm=LocalComm(), save_on_sigterm=False)
+
+    def train(ck: HorovodCheckpointer, sampler, stop_after: int | None = None) -> dict[int, list[int]]:
+        seen: dict[int, list[int]] = {}
+        for epoch in ck.epochs(1, 4):
+            seen[epoch] = []
+            for batch in DataLoader(data, batch_size=4, sampler=sampler):
+                seen[epoch] += batch.tolist()
+                ck.after_step()
+            if epoch == stop_after:
+                ck.save()
+                break
+        return seen
+
+    torch.manual_seed(3)
+    ref = train(hook("ref", sampler := RandomSampler(data)), sampler)
+    assert sorted(ref) == [1, 2, 3]
+    torch.manual_seed(3)
+    ck = hook("cut", sampler := RandomSampler(data))
+    assert train(ck, sampler, stop_after=1) == {1: ref[1]}
+    ck.close(final=False)
+    torch.manual_seed(999)  # another process
+    ck = hook("cut", sampler := RandomSampler(data))
+    assert (ck.restore(), ck.epoch) == (3, 2)
+    assert train(ck, sampler) == {2: ref[2], 3: ref[3]}
+    ck.close()
+
+    ck = hook("none", None)
+    ran = []
+    for epoch in ck.epochs(1, 4):
+        ran.append(epoch)
+        ck.after_step()
+        if epoch == 2:
+            ck.save()
+            break
+    ck.close(final=False)
+    ck = hook("none", None)
+    ck.restore()
+    assert ran == [1, 2] and list(ck.epochs(1, 4)) == [2, 3]
+    ck.after_step()
+    ck.close()  # after the loop ended: the final checkpoint says so
+    ck = hook("none", None)
+    ck.restore()
+    assert list(ck.epochs(1, 4)) == []
+
+
+@needs_horovod
+@job
+def test_a_checkpoint_path_that_is_a_file_fails_with_the_cause_on_every_rank(tmp_path):
+    """Item 9: rank 0 opens the storage; its error reaches every rank (not "Horovod has been shut down")."""
+    path = tmp_path / "ck"
+    path.write_text("a file, not a directory\n")
+    failed = launch(2, EXAMPLE, "--ckpt-dir", str(path))
+    out = finish(failed, timeout=90, expect_rc=None)
+    assert failed.returncode != 0, out[-4000:]
+    for rank in (0, 1):
+        said = rank_output(out, rank)
+        cause = f"the checkpoint root {path} exists and is not a directory"
+        assert f"StorageError: {cause}" in said or f"StorageError: rank 0: {cause}" in said, out[-4000:]
+        assert "Horovod has been shut down" not in said, out[-4000:]
+
+
+@needs_horovod
+@job
+@pytest.mark.parametrize("fail", ["latest", "load"])
+def test_a_restore_failure_on_one_rank_is_raised_on_every_rank(two_rank_checkpoint, tmp_path, fail):
+    """Item 9: rank 0's listing of the checkpoints, or one rank's read, fails during restore():
+    every rank raises that error (and the job exits non-zero) instead of one rank waiting for a
+    collective the failed rank never makes."""
+    failed = launch(2, WORKER, "fault", "--fail", fail, "--ckpt-dir", str(two_rank_checkpoint / "ck"),
+                    "--out", str(tmp_path))
+    out = finish(failed, timeout=90, expect_rc=None)
+    assert failed.returncode != 0, out[-4000:]
+    where = {"latest": "the listing on rank 0", "load": "the read on rank 1"}[fail]
+    for rank in (0, 1):
+        said = rank_output(out, rank)
+        assert f"injected into {where}" in said and "CorruptionError" in said, out[-4000:]
+        assert "Horovod has been shut down" not in said, out[-4000:]
+
+
+@needs_horovod
+@job
+def test_restore_falls_back_past_a_checkpoint_whose_per_rank_section_is_damaged(two_rank_checkpoint, tmp_path):
+    """#14 item 3 in the front end: rank 1's per-rank section of step 10 is damaged; both ranks
+    resume from step 5, the newest checkpoint that verifies on every rank."""
+    import shutil
+
+    from helpers import flip_local
+
+    ck = shutil.copytree(two_rank_checkpoint / "ck", tmp_path / "ck")
+    newest = sorted(p for p in os.listdir(ck) if p.startswith("step-000000000010"))[-1]
+    flip_local(str(ck), newest, 1)
+    run(2, WORKER, "restore", "--ckpt-dir", str(ck), "--out", str(tmp_path))
+    for rank in (0, 1):
+        assert torch.load(tmp_path / f"restore-rank{rank}-of2.pt", weights_only=False)["step"] == 5
