@@ -13,7 +13,8 @@ import re
 from dataclasses import dataclass
 
 from .errors import CheckpointError
-from .manifest import MANIFEST_NAME, Manifest
+from .guard import local_kind
+from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from .storage import Storage
 
 _DIR = re.compile(r"step-(\d{12,})-([0-9a-z]{1,64})")
@@ -41,8 +42,29 @@ class Entry:
 
 
 def attempt_dirs(storage: Storage) -> list[str]:
-    """Every checkpoint directory at the root, committed or not, sorted by name."""
-    return [n for n in storage.listdir() if parse_dir(n) is not None]
+    """Every checkpoint directory at the root, committed or not, sorted by name.
+
+    On local storage only real directories count: a file or a symbolic link named like one is
+    not a checkpoint (a link could lead out of the root), so listings, ``gc``, retention and the
+    start-up sweep leave it alone; :func:`stray_entries` names them for ``ckpt ls --all``.
+    """
+    return [n for n, kind in _named_entries(storage) if kind == _DIRECTORY]
+
+
+def stray_entries(storage: Storage) -> list[tuple[str, str]]:
+    """``(name, what it is)`` of entries named like a checkpoint directory that are not real
+    directories (local storage; object stores have neither links nor special files)."""
+    return [(n, kind) for n, kind in _named_entries(storage) if kind not in (_DIRECTORY, None)]
+
+
+_DIRECTORY = "a directory"
+
+
+def _named_entries(storage: Storage) -> list[tuple[str, str | None]]:
+    """Root entries named like checkpoint directories with what they are (always a directory on
+    object stores; ``None``: vanished meanwhile), sorted by name."""
+    names = [n for n in storage.listdir() if parse_dir(n) is not None]
+    return [(n, local_kind(storage.root, n)) for n in names] if storage.local else [(n, _DIRECTORY) for n in names]
 
 
 def committed(storage: Storage) -> list[Entry]:
@@ -56,7 +78,8 @@ def committed(storage: Storage) -> list[Entry]:
         if not storage.exists(f"{name}/{MANIFEST_NAME}"):
             continue
         try:
-            manifest = Manifest.from_json(storage.read_bytes(f"{name}/{MANIFEST_NAME}"), storage.describe(name))
+            manifest = Manifest.from_json(storage.read_bytes(f"{name}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES),
+                                          storage.describe(f"{name}/{MANIFEST_NAME}"))
         except CheckpointError:  # unreadable or removed meanwhile: not a checkpoint to list
             continue
         if manifest.step != step:
@@ -72,10 +95,14 @@ def manifest_dirs(storage: Storage, step: int | None = None, marker: str = MANIF
 
     Loading and verifying start from the last of these, so a damaged newest manifest raises
     instead of being skipped silently in favour of an older checkpoint. ``marker``: the file that
-    commits a directory (a rank's own marker on a node-local level).
+    commits a directory (a rank's own marker on a node-local level). A symbolic link named like a
+    checkpoint directory is listed too, so that reading it raises (the reader refuses links)
+    rather than an older checkpoint being loaded without a word.
     """
     found = []
-    for name in attempt_dirs(storage):
+    for name, kind in _named_entries(storage):
+        if kind not in (_DIRECTORY, "a symbolic link"):
+            continue
         dir_step = parse_dir(name)[0]  # type: ignore[index]
         if (step is None or dir_step == step) and storage.exists(f"{name}/{marker}"):
             found.append((dir_step, name))

@@ -6,6 +6,7 @@ Order of calls, on every rank of the job, from the training thread::
     ck.save(state, step, local)           # every rank, same steps; returns after the snapshot
     ck.wait()                             # optional: until the last save is committed
     state = ck.load(); local = ck.load_local()   # any rank, no communication
+    r = ck.restore()                      # resuming: every rank together, r.state / r.local / r.first
     ck.close()                            # waits for pending persists
 
 ``state`` is the replicated part (identical on every rank: parameters, optimizer state) and is
@@ -31,19 +32,23 @@ from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
 from . import catalog
+from .agree import on_rank0
 from .catalog import dir_name
 from .comm import Comm, LocalComm
 from .progress import Bar
 from .progress import wanted as progress_wanted
 from .commit import CommitInputs, retain, sweep, wait_for_commit, write_abort
 from .config import CheckpointConfig, level_specs
-from .errors import CheckpointError, CheckpointWarning, CorruptionError, NoCheckpointError
+from .errors import CheckpointError, CheckpointWarning, CorruptionError, NoCheckpointError, StorageError
+from .failure import surface
 from .flush import FlushRecord
 from .manifest import Manifest, RankRecord, TensorEntry
 from .multilevel import MultiLevel
 from .persist import PersistJob, PersistWorker, SaveRecord
 from .plan import Plan, TensorMeta, make_plan
-from .restore import Opened, open_checkpoint, read_local, read_state
+from . import restore_agreed
+from .restore import Opened, open_checkpoint, read_local
+from .restore_agreed import Restored, read_for_rank
 from .restore_levels import candidates, load_levels
 from .snapshot import BufferPool, Piece, copy_into, layout
 from .storage import Storage
@@ -105,10 +110,11 @@ class Checkpointer:
             rank's share).
         on_busy: when every buffer is still being persisted: ``"wait"`` for one, or ``"skip"``
             this checkpoint (counted in ``counters["skipped"]``).
-        on_error: a failed background persist is re-raised once on the training side
-            (``"raise"``), or reported as a :class:`CheckpointWarning` and counted in
-            ``counters["failed"]`` so training goes on (``"warn"``). Either way the failed
-            checkpoint never becomes visible and the previous one stays loadable.
+        on_error: each failed save is counted in ``counters["failed"]`` (a full storage also in
+            ``counters["disk_full"]``) and re-raised once on the training side, the earliest
+            unreported one by each ``save``/``wait``/``close`` (``"raise"``), or reported as its own
+            :class:`CheckpointWarning` so training goes on (``"warn"``). Either way it never
+            becomes visible, its files are removed, and the previous checkpoint stays loadable.
         commit_timeout: seconds rank 0 waits for every rank's files before failing the commit.
         read_threads: parallel reads per rank in ``load()``; default: this machine's cores
             divided among the ranks that share it (``LOCAL_WORLD_SIZE``, else the world size).
@@ -147,7 +153,7 @@ class Checkpointer:
         self.on_busy, self.on_error = on_busy, on_error
         self.commit_timeout = commit_timeout
         self.read_threads = read_threads or _default_read_threads(self.world_size)
-        self.counters = {"saves": 0, "skipped": 0, "waited_s": 0.0, "committed": 0, "failed": 0}
+        self.counters = {"saves": 0, "skipped": 0, "waited_s": 0.0, "committed": 0, "failed": 0, "disk_full": 0}
         self.flush_records: deque[FlushRecord] = deque(maxlen=1000)
         """Multi-level: figures of each checkpoint flushed (or skipped) to each lower level."""
         self._multi: MultiLevel | None = None
@@ -157,11 +163,9 @@ class Checkpointer:
             if self.storage.protocol == "memory" and self.world_size > 1:
                 raise CheckpointError(f"{path!r}: memory:// lives in one process and cannot hold a checkpoint of "
                                       f"{self.world_size} ranks; use a shared filesystem or object store")
-            if self.rank == 0 and not readonly:
-                self.storage.makedirs("")
-                sweep(self.storage)
-            # One collective at start: names this incarnation's attempts and orders them after the sweep.
-            self._generation: str = self.comm.broadcast(_new_generation() if self.rank == 0 else None)
+            # One collective at start: names this incarnation's attempts and orders them after the sweep
+            # (rank 0's failure, e.g. a root that is a file, is raised on every rank).
+            self._generation: str = on_rank0(self.comm, lambda: _open_root(self.storage, readonly))
         else:
             self._multi = MultiLevel(specs, self.comm, commit_timeout=commit_timeout, retries=flush_retries,
                                      new_generation=_new_generation, counters=self.counters,
@@ -171,7 +175,8 @@ class Checkpointer:
         self.keep_last = keep_last
         self._pool = BufferPool(max_inflight)
         self._worker = PersistWorker(self.storage, self._pool, commit_timeout, self._after_commit,
-                                     self._on_persisted if self._multi is not None else None)
+                                     self._on_persisted if self._multi is not None else None,
+                                     counters=self.counters, keep_last=keep_last, make_room=self._multi is None)
         self._snapshots: ThreadPoolExecutor | None = None
         # Retention deletes (about 0.2 s per GiB here) run beside the persist worker, not in it,
         # so the next checkpoint's persist never queues behind them.
@@ -185,6 +190,8 @@ class Checkpointer:
         self._opened: Opened | None = None
         self._opened_from: tuple[Storage, int, dict[int, Any] | None] = (self.storage, 0, None)
         self.load_failures: list[str] = []
+        self._verified: dict[int, Any] = {}
+        """The ``local`` of each writer the last ``load()`` verified before choosing its checkpoint."""
         self._closed = False
         self._lock = threading.Lock()
         self.records: deque[SaveRecord] = deque(maxlen=1000)
@@ -306,6 +313,7 @@ class Checkpointer:
         finally:
             self._closed = True
             self._worker.stop()
+            self._raise_background_error("warn")
             self._janitor.shutdown(wait=True)
             self._check_retention(wait=True)
             if self._snapshots is not None:
@@ -335,9 +343,12 @@ class Checkpointer:
         """The replicated state of the newest committed checkpoint (or of ``step``), on CPU.
 
         Every byte read is verified; a mismatch raises :class:`CorruptionError` naming the file
-        and tensor. With ``fallback=True`` a checkpoint that fails verification is skipped (and
+        and tensor. So is the ``local`` of this rank's writer and of writer 0 (what the front ends
+        resume per-rank state from), so that ``load_local()`` of either cannot fail afterwards.
+        With ``fallback=True`` a checkpoint any of whose parts fails verification is skipped (and
         recorded in ``load_failures``) for the next newest one. Works with any world size,
         including a single process. Raises :class:`NoCheckpointError` when there is nothing.
+        Not a collective (single level): ranks may fall back differently; :meth:`restore` agrees.
 
         Multi-level: every level is considered, the newest step first and the fastest level
         first on a tie; a copy that fails verification falls back to the same step on the next
@@ -349,6 +360,7 @@ class Checkpointer:
             self.load_failures = []
             loaded = load_levels(self._multi, self.comm, step, fallback, self.read_threads, self.load_failures)
             self._opened, self._opened_from = loaded.opened, (loaded.storage, loaded.level, loaded.locals)
+            self._verified = dict(loaded.locals or loaded.verified or {})
             return loaded.state
         found = catalog.manifest_dirs(self.storage, step)
         if not found:
@@ -362,13 +374,13 @@ class Checkpointer:
                 total = sum(e.nbytes for idx in opened.indexes for e in idx.entries if not e.local)
                 with Bar(total, f"load step {opened.manifest.step}",
                          progress and self.rank == 0 and progress_wanted()) as bar:
-                    state = read_state(self.storage, opened, self.read_threads, bar.update)
+                    state, verified = read_for_rank(self.storage, opened, self.rank, self.read_threads, bar.update)
             except CheckpointError as e:
                 if not fallback or isinstance(e, NoCheckpointError):
                     raise
                 self.load_failures.append(f"{dirname}: {e}")
                 continue
-            self._opened = opened
+            self._opened, self._verified = opened, verified
             return state
         raise CorruptionError(f"no checkpoint at {self.storage.describe('')} verifies: "
                               + "; ".join(self.load_failures))
@@ -386,6 +398,8 @@ class Checkpointer:
         rank = self.rank if rank is None else rank
         if rank >= opened.manifest.world_size:
             return None
+        if rank in self._verified:
+            return self._verified[rank]
         storage, level, locals_ = self._opened_from
         if locals_ is not None:
             if rank not in locals_:
@@ -394,6 +408,29 @@ class Checkpointer:
                                       "at hand (load that step from a shared level to read any)")
             return locals_[rank]
         return read_local(storage, opened, rank)
+
+    def restore(self, step: int | None = None, *, fallback: bool = True) -> Restored:
+        """Every rank, together (a collective): the checkpoint to resume from, and this rank's parts.
+
+        The newest checkpoint (or the newest attempt of ``step``) whose replicated state, this
+        rank's writer's ``local`` and writer 0's ``local`` verify on every rank; with
+        ``fallback=True`` (the default) one that fails on any rank is skipped by all ranks alike
+        (recorded in ``load_failures``), so every rank resumes from the same step. Returns a
+        :class:`Restored`: ``state``, ``local`` (``None`` when this rank had no writer), ``first``
+        (writer 0's), ``step``, ``manifest``; ``load_local()`` then returns the same values.
+        Raises :class:`NoCheckpointError` when there is nothing (the front ends start fresh).
+        """
+        self.load_failures = []
+        if self._multi is not None:  # a collective that verifies every rank's parts already
+            state = self.load(step, fallback=fallback)
+        else:
+            opened, state, self._verified = restore_agreed.restore(self.storage, self.comm, step, fallback,
+                                                                   self.read_threads, self.load_failures)
+            self._opened, self._opened_from = opened, (self.storage, 0, None)
+        assert self._opened is not None
+        m = self._opened.manifest
+        return Restored(m.step, self._opened.dirname, state, self.load_local(), self.load_local(rank=0), m,
+                        self._opened_from[1])
 
     def busy(self) -> bool:
         """Whether a snapshot is still being persisted (policies count its contention)."""
@@ -426,7 +463,7 @@ class Checkpointer:
             raise NoCheckpointError(f"no committed checkpoint at {self.storage.describe('')}")
         storage = self.levels[found[0].level] if self._multi is not None else self.storage
         self._opened = open_checkpoint(storage, found[0].dirname)
-        self._opened_from = (storage, found[0].level, None)
+        self._opened_from, self._verified = (storage, found[0].level, None), {}
 
     def _layout(self, enc: Encoded, lenc: Encoded) -> _Layout:
         key = (tuple((t.dtype, t.shape) for t in enc.tensors), tuple((t.dtype, t.shape) for t in lenc.tensors))
@@ -496,11 +533,16 @@ class Checkpointer:
             finally:
                 self._pending = None
         self._worker.drain()
+        last, self._last_dir = self._last_dir, None
         self._raise_background_error()
         self._check_retention(wait=False)
-        if self.rank != 0 and self._last_dir is not None and not (self._multi and self._multi.node_local):
-            wait_for_commit(self.storage, self._last_dir, self.world_size, self.commit_timeout)
-        self._last_dir = None
+        mine = self.records[-1] if self.records else None  # this rank's own failure was reported just above
+        ended_here = mine is not None and mine.dirname == last and (mine.error is not None or mine.skipped)
+        if self.rank != 0 and last and not ended_here and not (self._multi and self._multi.node_local):
+            try:
+                wait_for_commit(self.storage, last, self.world_size, self.commit_timeout)
+            except CheckpointError as e:
+                self._report(e)
 
     def _check_retention(self, wait: bool) -> None:
         """Warn about failed deletions (nothing is lost: the next commit retries them)."""
@@ -512,19 +554,9 @@ class Checkpointer:
                 warnings.warn(f"retention failed: {f.exception()}", CheckpointWarning, stacklevel=4)
         self._retaining = pending
 
-    def _raise_background_error(self) -> None:
-        error = self._worker.take_error()
-        if error is None:
-            return
-        self.counters["failed"] += 1
-        if not isinstance(error, CheckpointError):
-            wrapped = CheckpointError(f"background persist failed: {type(error).__name__}: {error}")
-            wrapped.__cause__ = error
-            error = wrapped
-        if self.on_error == "warn":
-            warnings.warn(f"checkpoint not saved: {error}", CheckpointWarning, stacklevel=3)
-            return
-        raise error
+    def _raise_background_error(self, on_error: Literal["raise", "warn"] | None = None) -> None:
+        on_error = on_error or self.on_error  # close() warns what is left after raising the earliest
+        surface(self._worker.take_reports(until_error=on_error == "raise"), on_error, stacklevel=3)
 
     def _raise_flush_error(self) -> None:
         error = self._multi.take_error() if self._multi is not None else None
@@ -532,7 +564,7 @@ class Checkpointer:
             self._report(error)
 
     def _report(self, error: CheckpointError) -> None:
-        """Raise a flush problem, or warn with ``on_error="warn"`` (level 1 has the checkpoint)."""
+        """Raise a flush problem or another rank's failed save, or warn with ``on_error="warn"``."""
         if self.on_error == "warn":
             warnings.warn(str(error), CheckpointWarning, stacklevel=4)
             return
@@ -543,6 +575,17 @@ class Checkpointer:
             raise CheckpointError("this Checkpointer is closed")
 
 
+def _open_root(storage: Storage, readonly: bool) -> str:
+    """Rank 0 at start: create and sweep the root (unless read-only); the new incarnation's name."""
+    if not readonly:
+        if storage.local and os.path.exists(storage.root) and not os.path.isdir(storage.root):
+            raise StorageError(f"the checkpoint root {storage.root} exists and is not a directory: give the path "
+                               "of a directory (it is created when missing), or move that file away")
+        storage.makedirs("")
+        sweep(storage)
+    return _new_generation()
+
+
 def _default_read_threads(world_size: int) -> int:
     """Cores per co-located rank, 1 to 4: more threads than cores only add contention."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -550,5 +593,12 @@ def _default_read_threads(world_size: int) -> int:
 
 
 def _new_generation() -> str:
-    """12 lowercase hex digits, increasing with time, so attempts of later incarnations sort later."""
-    return f"{int(time.time() * 1000) % (1 << 44):011x}{secrets.randbelow(16):x}"
+    """This incarnation's tag: 27 lowercase hex digits, Unix milliseconds (11) then 64 random bits (16).
+
+    The time prefix makes attempts of a later incarnation sort after an earlier one's (restore's
+    tie-break between attempts of one step, the flusher's order, docs/FORMAT.md); the random part
+    makes two starts in the same millisecond (or with clocks that disagree) collide with odds of
+    2**-64, where a shared tag would mix two writers' files in one attempt directory.
+    """
+    millis = int(time.time() * 1000) % (1 << 44)
+    return f"{millis:011x}{secrets.token_hex(8)}"

@@ -87,8 +87,15 @@ def ls_rows(storage: Storage, include_all: bool = False) -> list[dict[str, Any]]
         for name in catalog.attempt_dirs(storage):
             if name not in chosen:
                 rows.append(_other_row(storage, name, {e.step for e in entries}))
+        rows += [_stray_row(name, kind) for name, kind in catalog.stray_entries(storage)]
         rows.sort(key=lambda r: (r["step"], r["dir"]))
     return rows
+
+
+def _stray_row(name: str, kind: str) -> dict[str, Any]:
+    """A file, link or special file named like a checkpoint directory: shown, never read."""
+    return {"step": catalog.parse_dir(name)[0], "world_size": None, "total_bytes": 0,  # type: ignore[index]
+            "rank_bytes": [], "tensors": None, "time": None, "dir": name, "status": f"not a checkpoint ({kind})"}
 
 
 def _other_row(storage: Storage, name: str, committed_steps: set[int]) -> dict[str, Any]:

@@ -8,7 +8,8 @@ background thread, and a collective there would deadlock against the training pr
 2. rank 0's background worker polls the attempt directory (fresh listings) until every rank's
    index file is there, reads and checks them, and writes ``manifest.json`` last, atomically
    (temp + rename on filesystems, a single PUT on object stores): that write is the commit;
-3. then the ``latest`` pointer, then retention.
+3. then the ``latest`` pointer (a hint: failing to write it is a warning, never a failed save,
+   since only the manifest decides visibility), then retention.
 
 Removal goes the other way round: the manifest first (the checkpoint stops existing at once),
 then the files.
@@ -18,13 +19,14 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Collection
 
 import xxhash
 
 from .catalog import LATEST, attempt_dirs, parse_dir
-from .errors import CheckpointError, CommitTimeoutError, FormatError
+from .errors import CheckpointError, CheckpointWarning, CommitTimeoutError, FormatError
 from .manifest import MANIFEST_NAME, Manifest, RankIndex, RankRecord, check_coverage, index_file
 from .storage import Storage
 
@@ -122,8 +124,13 @@ class CommitInputs:
     manifest_body: Callable[[tuple[RankRecord, ...], float], Manifest]
 
 
-def commit(storage: Storage, dirname: str, inputs: CommitInputs, timeout: float) -> Manifest:
-    """Wait for all ranks, check their index files, write the manifest, then ``latest``."""
+def commit(storage: Storage, dirname: str, inputs: CommitInputs, timeout: float, *,
+           on_hint_error: Callable[[CheckpointWarning], None] | None = None) -> Manifest:
+    """Wait for all ranks, check their index files, write the manifest, then ``latest``.
+
+    Raises when there is no manifest; once it is written the checkpoint is committed and this
+    returns, whatever happens to ``latest`` (see :func:`point_latest`).
+    """
     wait_for_ranks(storage, dirname, inputs.world_size, timeout)
     records, indexes = [], []
     for rank in range(inputs.world_size):
@@ -138,8 +145,28 @@ def commit(storage: Storage, dirname: str, inputs: CommitInputs, timeout: float)
     manifest = inputs.manifest_body(tuple(records), time.time())
     check_coverage(manifest, indexes, lambda r: storage.describe(f"{dirname}/{index_file(r)}"))
     storage.write_atomic(f"{dirname}/{MANIFEST_NAME}", manifest.to_json())
-    storage.write_atomic(LATEST, dirname.encode(), durable=False)  # a hint: listings are the truth
+    point_latest(storage, dirname, on_hint_error)
     return manifest
+
+
+def point_latest(storage: Storage, dirname: str,
+                 on_error: Callable[[CheckpointWarning], None] | None = None) -> None:
+    """Point the ``latest`` hint at the committed ``dirname`` (atomic, not fsynced).
+
+    The manifest already made the checkpoint visible and decided the save's success; readers find
+    checkpoints by listing (docs/FORMAT.md). So a failure here is a :class:`CheckpointWarning`
+    handed to ``on_error`` (default: warned where it happens), never a failed save.
+    """
+    try:
+        storage.write_atomic(LATEST, dirname.encode(), durable=False)
+    except CheckpointError as e:
+        warning = CheckpointWarning(f"{storage.describe(dirname)} is committed, but the hint file "
+                                    f"{storage.describe(LATEST)} was not updated ({e}); nothing is lost (readers "
+                                    "list the root), it names an older checkpoint until a later save updates it")
+        if on_error is not None:
+            on_error(warning)
+        else:
+            warnings.warn(warning, stacklevel=2)
 
 
 def remove_checkpoint(storage: Storage, dirname: str, marker: str = MANIFEST_NAME) -> None:

@@ -27,6 +27,10 @@ class StorageError(CheckpointError, OSError):
     """The storage backend failed (write, read, rename, listing)."""
 
 
+class DiskFullError(StorageError):
+    """A write found the storage full (``ENOSPC``, or ``EDQUOT`` past a quota): nothing was committed."""
+
+
 class CommitTimeoutError(CheckpointError, TimeoutError):
     """Not every rank reported its bytes durable within the commit timeout."""
 

@@ -19,11 +19,11 @@ from .storage import Storage
 
 
 def figure_row(rec: SaveRecord, policy_figures: Mapping[str, Any]) -> dict[str, Any]:
-    """The row of one finished (committed, failed or skipped) save."""
+    """The row of one finished (committed, failed or skipped) save; ``error`` says why it failed."""
     return {"step": rec.step, "stall_ms": rec.stall_s * 1e3, "snapshot_ms": rec.snapshot_s * 1e3,
             "persist_ms": rec.persist_s * 1e3, "commit_ms": rec.commit_s * 1e3, "bytes": rec.bytes,
             "gb_per_s": rec.bytes / rec.persist_s / 1e9 if rec.persist_s else 0.0,
-            "committed": rec.committed, "skipped": rec.skipped, "time": time.time(),
+            "committed": rec.committed, "skipped": rec.skipped, "error": rec.error, "time": time.time(),
             **{k: v for k, v in policy_figures.items() if not (isinstance(v, float) and math.isnan(v))}}
 
 

@@ -23,14 +23,31 @@ from typing import Any, Callable, Sequence
 
 import xxhash
 
-from .errors import CorruptionError, FormatError
-from .values import TORCH_DTYPES, parse_dtype
+from .errors import CorruptionError, FormatError, UnsupportedValueError
+from .guard import MAX_METADATA_BYTES
+from .strict_json import parse_json
+from .values import MAX_DEPTH, MAX_NDIM, TORCH_DTYPES, check_tree
 
 FORMAT_VERSION = 1
 ALIGN = 64
 """Pieces start at multiples of this; a piece's checksum covers its bytes and its zero padding."""
 MANIFEST_NAME = "manifest.json"
 MAX_TENSOR_BYTES = 1 << 44  # 16 TiB: anything larger is a hostile or corrupt manifest
+MAX_MANIFEST_BYTES = MAX_METADATA_BYTES
+"""Largest manifest a reader accepts and a writer writes (128 MiB). A manifest holds about 300
+bytes per tensor (its table entry with its key path, its reference in the state tree, the
+optimizer's bookkeeping of it) and 150 per rank: 128 MiB is over 400,000 tensors with 16,000
+ranks, several times the largest models trained today (10^4 to 10^5 tensors with their optimizer
+state). Parsing JSON costs about ten times the text in memory, so the cap is what bounds the
+memory a hostile or damaged file can make a reader take (a 3 GiB manifest was read whole)."""
+MAX_INDEX_BYTES = MAX_METADATA_BYTES
+"""Largest rank index file (128 MiB), checked against the manifest's record before it is read: an
+entry is under 100 bytes (seven integers and a checksum), so over a million slices and local
+tensors, plus the rank's own ``local`` tree (RNG states, data position: kilobytes)."""
+MAX_INT = (1 << 63) - 1
+"""Integers of the format (steps, sizes, offsets) fit a signed 64-bit integer, as in any reader."""
+MAX_CREATED_AT = 253402300799.0
+"""``created_at`` (Unix seconds) is at most 9999-12-31T23:59:59Z, the last time tools can print."""
 _RANK_FILE = re.compile(r"rank-(\d{5})\.(bin|index\.json)")
 _HASH = re.compile(r"[0-9a-f]{16}")
 _ITEMSIZE = {name: dt.itemsize for name, dt in TORCH_DTYPES.items()}
@@ -96,7 +113,8 @@ class RankIndex:
             "local_tensors": [_tensor_json(t) for t in self.local_tensors],
             "local": self.local, "stats": self.stats,
         }
-        return json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+        return _capped(json.dumps(body, separators=(",", ":"), allow_nan=False).encode(), MAX_INDEX_BYTES,
+                       f"rank {self.rank}'s index file (its local state)")
 
     @staticmethod
     def from_json(raw: bytes, where: str) -> "RankIndex":
@@ -110,8 +128,11 @@ class RankIndex:
         data_bytes = v.int(d, "data_bytes")
         entries = tuple(v.entry(e, i, data_bytes) for i, e in enumerate(v.list(d, "entries")))
         _check_tiling(entries, data_bytes, where)
+        _check_locals(entries, local_tensors, where)
         if not isinstance(d.get("stats"), dict) or not isinstance(d.get("attempt"), str):
             raise FormatError(f"{where}: missing 'stats' or 'attempt'")
+        v.shallow(d["stats"], "stats")
+        check_tree(d.get("local"), [t.dtype for t in local_tensors], where)
         return RankIndex(v.int(d, "step"), rank, world, d["attempt"], data_bytes, entries, local_tensors,
                          d.get("local"), d["stats"])
 
@@ -152,7 +173,8 @@ class Manifest:
                       for r in self.ranks],
             "meta": self.meta,
         }
-        return seal(json.dumps(body, separators=(",", ":"), allow_nan=False).encode())
+        return seal(_capped(json.dumps(body, separators=(",", ":"), allow_nan=False).encode(), MAX_MANIFEST_BYTES - 64,
+                            "the manifest (the state's plain values and tensor table)"))
 
     @staticmethod
     def from_json(raw: bytes, where: str) -> "Manifest":
@@ -168,8 +190,13 @@ class Manifest:
         if len(ranks) != world:
             raise FormatError(f"{where}: {len(ranks)} rank records for world_size {world}")
         created = d.get("created_at")
-        if not isinstance(created, (int, float)) or not isinstance(d.get("meta"), dict):
-            raise FormatError(f"{where}: missing 'created_at' or 'meta'")
+        if type(created) not in (int, float) or not 0 <= created <= MAX_CREATED_AT:
+            raise FormatError(f"{where}: field 'created_at' must be Unix seconds between 0 and {MAX_CREATED_AT:.0f}, "
+                              f"got {str(created)[:40]}")
+        if not isinstance(d.get("meta"), dict):
+            raise FormatError(f"{where}: missing 'meta'")
+        v.shallow(d["meta"], "meta")
+        check_tree(d.get("state"), [t.dtype for t in tensors], where)
         return Manifest(v.int(d, "step"), world, float(created), v.int(d, "split_threshold"), tensors,
                         d.get("state"), ranks, d["meta"])
 
@@ -224,11 +251,16 @@ def _tensor_json(t: TensorEntry) -> list:
     return [t.dtype, list(t.shape), t.owner, t.name]
 
 
+def _capped(raw: bytes, limit: int, what: str) -> bytes:
+    """A writer never writes what readers refuse: ``raw`` if within ``limit``."""
+    if len(raw) > limit:
+        raise UnsupportedValueError(f"{what} would be {len(raw)} bytes, more than the {limit} readers accept; "
+                                    "keep large data in tensors, not in plain values (lists, strings, bytes)")
+    return raw
+
+
 def _load(raw: bytes, where: str) -> dict:
-    try:
-        d = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise FormatError(f"{where}: not valid JSON ({e})") from None
+    d = parse_json(raw, where)
     if not isinstance(d, dict):
         raise FormatError(f"{where}: top level is not an object")
     version = d.get("format_version")
@@ -249,11 +281,21 @@ class _Validator:
     def fail(self, msg: str) -> FormatError:
         return FormatError(f"{self.where}: {msg}")
 
-    def int(self, d: dict, key: str, minimum: int = 0) -> int:
+    def int(self, d: dict, key: str, minimum: int = 0, maximum: int = MAX_INT) -> int:
         x = d.get(key)
-        if type(x) is not int or x < minimum:
-            raise self.fail(f"field {key!r} must be an integer >= {minimum}, got {x!r}")
+        if type(x) is not int or not minimum <= x <= maximum:
+            raise self.fail(f"field {key!r} must be an integer from {minimum} to {maximum}, got {str(x)[:40]}")
         return x
+
+    def shallow(self, x: object, key: str) -> None:
+        """Free-form field ``key`` nests at most ``MAX_DEPTH`` levels (tools walk it recursively)."""
+        stack = [(x, 0)]
+        while stack:
+            node, depth = stack.pop()
+            if isinstance(node, (dict, list)):
+                if depth >= MAX_DEPTH:
+                    raise self.fail(f"field {key!r} is nested deeper than {MAX_DEPTH} levels")
+                stack.extend((c, depth + 1) for c in (node.values() if isinstance(node, dict) else node))
 
     def list(self, d: dict, key: str) -> list:
         x = d.get(key)
@@ -263,20 +305,24 @@ class _Validator:
 
     def tensor(self, t: object, name: str) -> TensorEntry:
         ok = isinstance(t, list) and len(t) == 4 and isinstance(t[1], list) and isinstance(t[3], str)
-        ok = ok and all(type(s) is int and s >= 0 for s in t[1]) and type(t[2]) is int and t[2] >= -1
+        ok = ok and len(t[1]) <= MAX_NDIM and type(t[2]) is int and -1 <= t[2] <= MAX_INT
+        ok = ok and all(type(s) is int and 0 <= s <= MAX_TENSOR_BYTES for s in t[1])
         if not ok:
-            raise self.fail(f"{name} is malformed: {str(t)[:80]}")
-        parse_dtype(t[0])
+            raise self.fail(f"{name} is malformed (shape of at most {MAX_NDIM} sizes >= 0, owner >= -1): "
+                            f"{_short(t)}")
+        if not isinstance(t[0], str) or t[0] not in TORCH_DTYPES:
+            raise self.fail(f"{name} has unknown tensor dtype {str(t[0])[:40]!r} (known: {', '.join(TORCH_DTYPES)})")
         entry = TensorEntry(t[0], tuple(t[1]), t[2], t[3])
-        if entry.nbytes > MAX_TENSOR_BYTES:
-            raise self.fail(f"{name} claims {entry.nbytes} bytes, more than the {MAX_TENSOR_BYTES} limit")
+        span = math.prod(max(s, 1) for s in entry.shape) * _ITEMSIZE[entry.dtype]  # what strides address
+        if span > MAX_TENSOR_BYTES:
+            raise self.fail(f"{name} claims {span} bytes, more than the {MAX_TENSOR_BYTES} limit")
         return entry
 
     def entry(self, e: object, i: int, data_bytes: int) -> IndexEntry:
-        ok = isinstance(e, list) and len(e) == 7 and all(type(x) is int and x >= 0 for x in e[:6])
+        ok = isinstance(e, list) and len(e) == 7 and all(type(x) is int and 0 <= x <= MAX_INT for x in e[:6])
         ok = ok and e[0] in (0, 1) and isinstance(e[6], str) and _HASH.fullmatch(e[6]) is not None
         if not ok:
-            raise self.fail(f"entries[{i}] is malformed: {str(e)[:80]}")
+            raise self.fail(f"entries[{i}] is malformed: {_short(e)}")
         entry = IndexEntry(bool(e[0]), *e[1:])
         if entry.stop < entry.start or entry.offset + entry.nbytes > data_bytes:
             raise self.fail(f"entries[{i}] range {entry.start}:{entry.stop} at offset {entry.offset} "
@@ -292,7 +338,37 @@ class _Validator:
         digest = r.get("index_xxh3")
         if not isinstance(digest, str) or not _HASH.fullmatch(digest):
             raise self.fail(f"ranks[{i}].index_xxh3 is malformed")
-        return RankRecord(i, self.int(r, "data_bytes"), self.int(r, "index_bytes"), digest)
+        return RankRecord(i, self.int(r, "data_bytes"), self.int(r, "index_bytes", maximum=MAX_INDEX_BYTES), digest)
+
+
+def _short(x: object) -> str:
+    """A hostile value cut short for a message, without rendering it whole (it may be huge or deep)."""
+    if isinstance(x, list):
+        return "[" + ", ".join(_short(c) if not isinstance(c, (list, dict)) else "..." for c in x[:8]) + "]"
+    return repr(x)[:40] if not isinstance(x, int) or x.bit_length() < 128 else f"<{x.bit_length()}-bit integer>"
+
+
+def _check_locals(entries: Sequence[IndexEntry], local_tensors: Sequence[TensorEntry], where: str) -> None:
+    """Each local tensor has exactly one entry, whole, of exactly its byte size.
+
+    Checked when the index is parsed, so no reader allocates a local tensor larger than the
+    bytes its entry (inside the data file, by the tiling) really holds.
+    """
+    seen: set[int] = set()
+    for i, e in enumerate(entries):
+        if not e.local:
+            continue
+        if e.tensor >= len(local_tensors) or e.tensor in seen:
+            raise FormatError(f"{where}: entries[{i}] names local tensor {e.tensor}, which is not in the rank's "
+                              f"table of {len(local_tensors)} or has another entry")
+        t = local_tensors[e.tensor]
+        if (e.start, e.stop, e.nbytes) != (0, math.prod(t.shape), t.nbytes):
+            raise FormatError(f"{where}: local tensor {e.tensor} ({t.dtype}{list(t.shape)}, {t.nbytes} bytes) does "
+                              f"not match its entry (elements {e.start}:{e.stop}, {e.nbytes} bytes)")
+        seen.add(e.tensor)
+    if len(seen) != len(local_tensors):
+        missing = sorted(set(range(len(local_tensors))) - seen)[:4]
+        raise FormatError(f"{where}: local tensors {missing} have no entry in the data file")
 
 
 def check_coverage(manifest: Manifest, indexes: Sequence[RankIndex], where: Callable[[int], str]) -> None:

@@ -3,9 +3,10 @@
 One worker thread per ``Checkpointer`` handles jobs in save order: wait for the snapshot copy
 (deferred or CUDA), checksum each slice (xxh3-64, which releases the GIL), write the rank's data
 file straight from the host buffer, write its index file, give the buffer back, and on rank 0
-run the commit. A failure is kept and re-raised once on the training side (next ``save``,
-``wait`` or ``close``); the failing rank also writes an abort marker so the committer stops
-waiting, and the checkpoint never gets a manifest.
+run the commit. Every failure is counted and kept, in order, for the training side (next
+``save``, ``wait`` or ``close``: :func:`failure.surface`); the failing rank removes its partial
+files and writes an abort marker so the committer stops waiting, and the checkpoint never gets a
+manifest (who removes what of a failed attempt: ``failure.py``).
 """
 
 from __future__ import annotations
@@ -13,13 +14,16 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import xxhash
 
+from . import failure
 from .commit import Abandoned, CommitInputs, commit, write_abort
+from .errors import CheckpointError, CheckpointWarning
 from .manifest import IndexEntry, RankIndex, TensorEntry, data_file, index_file
 from .snapshot import BufferPool, HostBuffer, Piece
 from .storage import Storage
@@ -46,6 +50,8 @@ class SaveRecord:
     started_at: float = 0.0
     finished_at: float = 0.0
     """``time.perf_counter()`` at ``save()`` and when this rank's job ended (after the commit on rank 0)."""
+    error: str | None = None
+    """Why this save failed on this rank (``None``: it did not)."""
 
 
 @dataclass
@@ -99,11 +105,19 @@ def write_rank(storage: Storage, job: PersistJob) -> None:
 
 
 class PersistWorker:
-    """The background thread of one ``Checkpointer``; jobs run one at a time, in order."""
+    """The background thread of one ``Checkpointer``; jobs run one at a time, in order.
+
+    ``counters`` (the checkpointer's) gets ``failed`` (each failed save, once) and ``disk_full``
+    (each save whose write found the storage full: failed, or saved after making room).
+    ``make_room``: under ``ENOSPC``, remove committed checkpoints beyond ``keep_last - 1`` and
+    write again, once (single-level checkpointers with ``keep_last``; see ``failure.py``).
+    """
 
     def __init__(self, storage: Storage, pool: BufferPool, commit_timeout: float,
                  after_commit: Callable[[PersistJob], None],
-                 on_finished: Callable[[PersistJob], None] | None = None) -> None:
+                 on_finished: Callable[[PersistJob], None] | None = None, *,
+                 counters: dict[str, Any] | None = None, keep_last: int | None = None,
+                 make_room: bool = False) -> None:
         self._storage = storage
         self._pool = pool
         self._timeout = commit_timeout
@@ -112,7 +126,11 @@ class PersistWorker:
         # before ``finished_at``; an exception there fails the job (multi-level persistence uses it).
         self._on_finished = on_finished
         self._queue: "queue.Queue[PersistJob | None]" = queue.Queue()
-        self._error: BaseException | None = None
+        self._counters = counters if counters is not None else {}
+        self._keep_last, self._make_room = keep_last, make_room and keep_last is not None
+        self._reports: deque[failure.Report] = deque()
+        self._dead: list[tuple[str, int]] = []
+        """Rank 0: attempts it will not commit whose files wait for every rank to finish with them."""
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="ckpt-persist", daemon=True)
         self._thread.start()
@@ -125,11 +143,15 @@ class PersistWorker:
         """Block until every submitted job finished (committed on rank 0)."""
         self._queue.join()
 
-    def take_error(self) -> BaseException | None:
-        """The first background failure since the last call, once."""
+    def take_reports(self, until_error: bool = False) -> list[failure.Report]:
+        """What the background found since the last call, oldest first, each once: failed saves
+        (exceptions) and warnings. ``until_error``: stop after the first failed save, leaving
+        later ones for the next call (``on_error="raise"`` raises one per call)."""
+        taken: list[failure.Report] = []
         with self._lock:
-            error, self._error = self._error, None
-        return error
+            while self._reports and not (until_error and taken and not isinstance(taken[-1], Warning)):
+                taken.append(self._reports.popleft())
+        return taken
 
     def stop(self) -> None:
         """Finish queued jobs, then end the thread."""
@@ -141,7 +163,9 @@ class PersistWorker:
             job = self._queue.get()
             try:
                 if job is None:
+                    self._discard_dead()
                     return
+                self._discard_dead()
                 self._process(job)
             finally:
                 self._queue.task_done()
@@ -161,12 +185,12 @@ class PersistWorker:
     def _persist_and_commit(self, job: PersistJob) -> None:
         try:
             try:
-                write_rank(self._storage, job)
+                self._write(job)
             finally:
                 self._pool.release(job.buffer)
             if job.commit is not None:
                 start = time.perf_counter()
-                commit(self._storage, job.dirname, job.commit, self._timeout)
+                commit(self._storage, job.dirname, job.commit, self._timeout, on_hint_error=self._report)
                 job.record.commit_s = time.perf_counter() - start
                 job.record.committed = True
                 job.record.finished_at = time.perf_counter()
@@ -174,14 +198,57 @@ class PersistWorker:
             job.durable = True
         except Abandoned:
             job.record.skipped = True
+            self._dead_attempt(job)
         except BaseException as e:  # noqa: BLE001 - kept and re-raised on the training side
             self._fail(job, e)
 
-    def _fail(self, job: PersistJob, error: BaseException) -> None:
-        with self._lock:
-            if self._error is None:
-                self._error = error
+    def _write(self, job: PersistJob) -> None:
+        """``write_rank``; on a full storage, make room (when allowed) and write once more."""
         try:
-            write_abort(self._storage, job.dirname, job.rank, "failed", f"{type(error).__name__}: {error}")
-        except Exception:  # noqa: BLE001 - storage is failing already; the original error is what matters
-            pass
+            write_rank(self._storage, job)
+        except CheckpointError as e:
+            if not (self._make_room and failure.is_disk_full(e)):
+                raise
+            failure.discard_rank(self._storage, job.dirname, job.rank)
+            removed = failure.make_room(self._storage, self._keep_last)  # type: ignore[arg-type]
+            if not removed:
+                raise
+            self._report(CheckpointWarning(
+                f"{e}: the storage was full; removed {removed} (older than the keep_last={self._keep_last} newest, "
+                f"which the commit of step {job.step} removes anyway) to make room, and wrote it again"))
+            write_rank(self._storage, job)
+            self._count("disk_full")  # a failed retry is counted by ``_fail``
+
+    def _fail(self, job: PersistJob, error: BaseException) -> None:
+        """Count and keep the failure (once per save), free this rank's space, tell the committer."""
+        if job.record.error is not None:
+            return  # a later consequence of a failure already reported
+        if failure.is_disk_full(error):
+            error = failure.disk_full(self._storage, error, job.step, job.nbytes, self._keep_last)
+            self._count("disk_full")
+        job.record.error = f"{type(error).__name__}: {error}"
+        self._count("failed")
+        self._report(error)
+        failure.discard_rank(self._storage, job.dirname, job.rank)
+        if job.world_size > 1:
+            try:
+                write_abort(self._storage, job.dirname, job.rank, "failed", job.record.error)
+            except Exception:  # noqa: BLE001 - storage is failing already; the original error is what matters
+                pass
+        self._dead_attempt(job)
+
+    def _dead_attempt(self, job: PersistJob) -> None:
+        """On the committer: ``job``'s attempt will not commit; remove its files once settled."""
+        if job.commit is not None and not job.record.committed:
+            self._dead.append((job.dirname, job.world_size))
+            self._discard_dead()
+
+    def _discard_dead(self) -> None:
+        self._dead = [d for d in self._dead if not failure.discard_attempt(self._storage, *d)]
+
+    def _report(self, item: failure.Report) -> None:
+        with self._lock:
+            self._reports.append(item)
+
+    def _count(self, key: str) -> None:
+        self._counters[key] = self._counters.get(key, 0) + 1

@@ -18,9 +18,10 @@ from typing import Callable, Mapping, Sequence
 import torch
 import xxhash
 
+from .catalog import parse_dir
 from .errors import CorruptionError, FormatError, StorageError
-from .manifest import (MANIFEST_NAME, IndexEntry, Manifest, RankIndex, TensorEntry, check_coverage,
-                       data_file, extents, index_file)
+from .manifest import (MANIFEST_NAME, MAX_INDEX_BYTES, MAX_MANIFEST_BYTES, IndexEntry, Manifest, RankIndex,
+                       TensorEntry, check_coverage, data_file, extents, index_file)
 from .storage import Reader, Storage
 from .values import decode, parse_dtype
 
@@ -41,24 +42,27 @@ class Opened:
 def open_checkpoint(storage: Storage, dirname: str) -> Opened:
     """Read and check the manifest and every index file of ``dirname`` (small reads only).
 
-    Checks index files against the manifest's checksums and data files against their recorded
-    sizes, so that nothing is allocated for bytes that are not there.
+    Regular files only, no symbolic link below the root, metadata within the format's caps
+    (see :mod:`guard`). Checks index files against the manifest's checksums and data files
+    against their recorded sizes, so that nothing is allocated for bytes that are not there.
     """
-    manifest = Manifest.from_json(storage.read_bytes(f"{dirname}/{MANIFEST_NAME}"),
-                                  storage.describe(f"{dirname}/{MANIFEST_NAME}"))
+    mwhere = storage.describe(f"{dirname}/{MANIFEST_NAME}")
+    manifest = Manifest.from_json(storage.read_bytes(f"{dirname}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES), mwhere)
+    named = parse_dir(dirname.rsplit("/", 1)[-1])
+    if named is not None and named[0] != manifest.step:
+        raise FormatError(f"{mwhere}: step {manifest.step} is not the step {named[0]} of its directory")
     indexes = []
     for rec in manifest.ranks:
         where = storage.describe(f"{dirname}/{index_file(rec.rank)}")
         try:
-            raw = storage.read_bytes(f"{dirname}/{index_file(rec.rank)}")
+            raw = storage.read_bytes(f"{dirname}/{index_file(rec.rank)}", MAX_INDEX_BYTES)
         except StorageError as e:
             raise CorruptionError(f"{where}: index file unreadable or missing ({e})") from e
         if len(raw) != rec.index_bytes or xxhash.xxh3_64_hexdigest(raw) != rec.index_xxh3:
             raise CorruptionError(f"{where}: checksum mismatch (the index file was modified or replaced)")
         idx = RankIndex.from_json(raw, where)
-        if idx.rank != rec.rank or idx.step != manifest.step or idx.data_bytes != rec.data_bytes:
-            raise FormatError(f"{where}: does not belong to step {manifest.step} rank {rec.rank}")
-        size = storage.size(f"{dirname}/{data_file(rec.rank)}")
+        _check_belongs(idx, manifest, rec.rank, rec.data_bytes, where)
+        size = storage.regular_size(f"{dirname}/{data_file(rec.rank)}")
         if size != rec.data_bytes:
             raise CorruptionError(f"{storage.describe(f'{dirname}/{data_file(rec.rank)}')}: "
                                   f"{'missing' if size is None else f'{size} bytes'}, "
@@ -66,6 +70,17 @@ def open_checkpoint(storage: Storage, dirname: str) -> Opened:
         indexes.append(idx)
     check_coverage(manifest, indexes, lambda r: storage.describe(f"{dirname}/{index_file(r)}"))
     return Opened(dirname, manifest, tuple(indexes))
+
+
+def _check_belongs(idx: RankIndex, manifest: Manifest, rank: int, data_bytes: int, where: str) -> None:
+    """The index file is rank ``rank``'s of this very checkpoint (docs/FORMAT.md: every field matches)."""
+    attempt = manifest.meta.get("attempt")
+    for field, got, want in (("rank", idx.rank, rank), ("step", idx.step, manifest.step),
+                             ("world_size", idx.world_size, manifest.world_size), ("attempt", idx.attempt, attempt),
+                             ("data_bytes", idx.data_bytes, data_bytes)):
+        if got != want:
+            raise FormatError(f"{where}: field {field!r} is {str(got)[:40]!r}, the manifest says {str(want)[:40]!r} "
+                              f"(an index file of another checkpoint or rank)")
 
 
 def tensor_name(t: TensorEntry, i: int) -> str:
@@ -79,7 +94,8 @@ def read_state(storage: Storage, ck: Opened, threads: int = 4, progress: Progres
     jobs = [(idx.rank, e) for idx in ck.indexes for e in idx.entries if not e.local]
     names = [tensor_name(t, i) for i, t in enumerate(ck.manifest.tensors)]
     _read_entries(storage, ck, jobs, tensors, names, threads, progress)
-    return decode(ck.manifest.state, tensors.__getitem__)
+    return decode(ck.manifest.state, tensors.__getitem__, count=len(tensors),
+                  where=storage.describe(f"{ck.dirname}/{MANIFEST_NAME}"))
 
 
 def read_local(storage: Storage, ck: Opened, rank: int, progress: Progress | None = None) -> object:
@@ -97,7 +113,8 @@ def read_local(storage: Storage, ck: Opened, rank: int, progress: Progress | Non
         raise FormatError(f"{storage.describe(f'{ck.dirname}/{index_file(rank)}')}: local tensors missing")
     names = [f"local {tensor_name(t, i)}" for i, t in enumerate(metas)]
     _read_entries(storage, ck, jobs, tensors, names, 2, progress)
-    return decode(idx.local, tensors.__getitem__)
+    return decode(idx.local, tensors.__getitem__, count=len(tensors),
+                  where=storage.describe(f"{ck.dirname}/{index_file(rank)}"))
 
 
 def verify(storage: Storage, ck: Opened, threads: int = 4, progress: Progress | None = None) -> None:

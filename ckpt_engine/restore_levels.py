@@ -32,7 +32,8 @@ from .catalog import manifest_dirs
 from .levels import RANK_COMMIT, Level, RankCommit, local_catalog
 from .manifest import RankIndex, RankRecord, check_coverage, data_file, index_file
 from .multilevel import MultiLevel
-from .restore import Opened, open_checkpoint, read_state
+from .restore import Opened, open_checkpoint
+from .restore_agreed import read_for_rank
 from .storage import Storage
 from .values import decode, parse_dtype
 
@@ -77,6 +78,8 @@ class Loaded:
     storage: Storage
     locals: dict[int, Any] | None = None
     """Node-local copies: the ``local`` of this rank and of writer 0 (the only ones at hand)."""
+    verified: dict[int, Any] | None = None
+    """Shared levels: the ``local`` of this rank's writer and of writer 0, verified before choosing."""
 
 
 def load_levels(ml: MultiLevel, comm: Comm, step: int | None, fallback: bool, threads: int,
@@ -96,7 +99,8 @@ def load_levels(ml: MultiLevel, comm: Comm, step: int | None, fallback: bool, th
             break
         level = ml.levels[c.level]
         try:
-            attempt = _read_local_copy(level, c, comm.rank) if c.node_local else _read_shared(level, c, threads)
+            attempt = _read_local_copy(level, c, comm.rank) if c.node_local else _read_shared(level, c, threads,
+                                                                                               comm.rank)
             report = attempt.report
         except Exception as e:  # noqa: BLE001 - reported to the other ranks first, so that none waits forever
             own_error, attempt, report = own_error or e, None, {"ok": False, "error": f"rank {comm.rank}: {e}"}
@@ -131,10 +135,11 @@ class _Shared:
     report: dict
 
 
-def _read_shared(level: Level, c: Candidate, threads: int) -> _Shared:
+def _read_shared(level: Level, c: Candidate, threads: int, rank: int) -> _Shared:
+    """The state and the ``local`` sections this rank will use (its writer's, writer 0's), verified."""
     opened = open_checkpoint(level.storage, c.dirname)
-    state = read_state(level.storage, opened, threads)
-    return _Shared(Loaded(state, level.index, opened, level.storage), {"ok": True})
+    state, verified = read_for_rank(level.storage, opened, rank, threads)
+    return _Shared(Loaded(state, level.index, opened, level.storage, verified=verified), {"ok": True})
 
 
 # ---- a node-local level 1 -----------------------------------------------------------------------------
@@ -171,8 +176,9 @@ class _LocalCopy:
             lo = k * EXCHANGE
             for r, part in enumerate(_gather_bytes(comm, self.data[lo:lo + EXCHANGE])):
                 _place(targets[r], lo, part)
-        state = decode(manifest.state, tensors.__getitem__)
-        locals_ = {r: decode(indexes[r].local, local_tensors[r].__getitem__) for r in keep}
+        state = decode(manifest.state, tensors.__getitem__, count=len(tensors), where=where)
+        locals_ = {r: decode(indexes[r].local, local_tensors[r].__getitem__, count=len(local_tensors[r]),
+                             where=f"{where} ({index_file(r)})") for r in keep}
         return Loaded(state, self.level.index, Opened(self.dirname, manifest, indexes), self.level.storage, locals_)
 
 
@@ -187,7 +193,7 @@ def _read_local_copy(level: Level, c: Candidate, rank: int) -> _LocalCopy:
         raise CorruptionError(f"{where}: checksum mismatch (the index file was modified or replaced)")
     idx = RankIndex.from_json(raw, where)
     data_where = storage.describe(f"{dirname}/{data_file(rank)}")
-    size = storage.size(f"{dirname}/{data_file(rank)}")
+    size = storage.regular_size(f"{dirname}/{data_file(rank)}")
     if size != idx.data_bytes:
         raise CorruptionError(f"{data_where}: {'missing' if size is None else f'{size} bytes'}, "
                               f"{idx.data_bytes} expected (truncated or replaced)")

@@ -20,23 +20,29 @@ from __future__ import annotations
 import errno
 import fcntl
 import collections.abc
+import contextlib
 import os
 import posixpath
 import uuid
+import warnings
+import weakref
 from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import fsspec
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
-from .errors import StorageError
-from .retry import retrying
+from . import guard
+from .errors import CheckpointError, CheckpointWarning, StorageError
+from .retry import is_not_implemented, retrying
 
 T = TypeVar("T")
 
 _TMP_PREFIX = ".tmp-"
 _OBJECT_BLOCK = 64 << 20
 _NO_DIRECTORIES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "adl"}
+_NO_UPLOAD_LISTING: "weakref.WeakSet[Any]" = weakref.WeakSet()
+"""Filesystems (equal when URL options are) whose server answered 501 to ListMultipartUploads."""
 
 
 class Storage:
@@ -91,8 +97,9 @@ class Storage:
         is a fresh pass, such as a copy streamed from another storage) is consumed lazily, one
         chunk in memory at a time, and iterated again on a retry.
 
-        On object stores a large file goes up as a multipart upload (parts of ``_OBJECT_BLOCK``)
-        completed only at the end, so a crash never leaves a visible partial object.
+        On object stores a large file goes up as a multipart upload (S3) or staged blocks (Azure),
+        in parts of ``_OBJECT_BLOCK``, completed only at the end, so neither a crash nor a failed
+        write leaves a visible partial object.
         """
         if self.local:
             return self._run("write", rel, lambda: self._write_local(rel, chunks, sync_dir))
@@ -101,10 +108,15 @@ class Storage:
 
         def write() -> int:
             written = 0
-            with self.fs.open(self.path(rel), "wb", block_size=_OBJECT_BLOCK) as f:
+            f = self.fs.open(self.path(rel), "wb", block_size=_OBJECT_BLOCK)
+            try:
                 for chunk in chunks:
                     f.write(chunk)
                     written += len(chunk)
+            except BaseException:
+                _abandon(f)
+                raise
+            f.close()
             return written
 
         return self._run("write", rel, write)
@@ -163,11 +175,18 @@ class Storage:
     def abort_uploads(self) -> list[str]:
         """Abort unfinished multipart uploads below the root (crashed writers leave them billed
         and invisible). Object stores that have them only; returns the keys aborted."""
-        if self.protocol not in ("s3", "s3a"):
+        if self.protocol not in ("s3", "s3a") or self.fs in _NO_UPLOAD_LISTING:
             return []
         bucket, _, prefix = self.root.partition("/")
+        try:
+            uploads = self._run("list uploads of", "", lambda: self.fs.list_multipart_uploads(bucket))
+        except StorageError as e:
+            if not is_not_implemented(e):
+                raise
+            self._skip_upload_cleanup(bucket)
+            return []
         aborted = []
-        for up in self._run("list uploads of", "", lambda: self.fs.list_multipart_uploads(bucket)):
+        for up in uploads:
             key = up.get("Key", "")
             if key.startswith(prefix.rstrip("/") + "/" if prefix else ""):
                 self._run("abort upload of", key, lambda up=up: self.fs.call_s3(
@@ -175,15 +194,38 @@ class Storage:
                 aborted.append(key)
         return aborted
 
+    def _skip_upload_cleanup(self, bucket: str) -> None:
+        """The server lacks ListMultipartUploads (s3rver says 501): an optional cleanup, so skip it.
+
+        Remembered per filesystem object, so the same store is neither asked nor warned about
+        again in this process: retrying would only delay every writable start.
+        """
+        _NO_UPLOAD_LISTING.add(self.fs)
+        warnings.warn(f"{self.protocol}://{bucket}: the server does not implement ListMultipartUploads (HTTP 501 "
+                      "NotImplemented), so unfinished multipart uploads of crashed runs are not aborted at start; "
+                      "they stay invisible but may use space: remove them with the store's own tools or a "
+                      "lifecycle rule", CheckpointWarning, stacklevel=4)
+
     # ---- reading ------------------------------------------------------------------------------
-    def read_bytes(self, rel: str) -> bytes:
-        """Whole content of file ``rel``."""
+    def read_bytes(self, rel: str, limit: int = guard.MAX_METADATA_BYTES) -> bytes:
+        """Whole content of regular file ``rel``, at most ``limit`` bytes (metadata files only).
+
+        A FIFO, a device, a symbolic link below the root or a larger file is refused with a
+        :class:`FormatError` naming it, before anything is read (see :mod:`guard`).
+        """
+        where = self.describe(rel)
         if self.local:
-            def read() -> bytes:
-                with open(self.path(rel), "rb") as f:
-                    return f.read()
-            return self._run("read", rel, read)
-        return self._run("read", rel, lambda: self.fs.cat_file(self.path(rel)))
+            return self._run("read", rel, lambda: guard.read_regular(self.root, rel, limit, where))
+        return self._run("read", rel,
+                         lambda: self._fresh(rel) or guard.read_object(self.fs, self.path(rel), limit, where))
+
+    def regular_size(self, rel: str) -> int | None:
+        """Size of regular file ``rel``, ``None`` if missing; :class:`FormatError` for anything a
+        reader must not open (a FIFO, a device, a symbolic link below the root, a directory)."""
+        where = self.describe(rel)
+        if self.local:
+            return self._run("stat", rel, lambda: guard.regular_size(self.root, rel, where))
+        return self._run("stat", rel, lambda: self._fresh(rel) or guard.object_size(self.fs, self.path(rel), where))
 
     def reader(self, rel: str) -> "Reader":
         """An open file for ranged reads into caller-provided memory (close it, or use ``with``)."""
@@ -251,7 +293,8 @@ class Reader:
         self._storage, self._rel = storage, rel
         self._fd: int | None = None
         if storage.local:
-            self._fd = storage._run("open", rel, lambda: os.open(storage.path(rel), os.O_RDONLY))
+            where = storage.describe(rel)  # regular files only, no link below the root (see guard)
+            self._fd = storage._run("open", rel, lambda: guard.open_regular(storage.root, rel, where))
 
     def read_into(self, offset: int, dest: memoryview) -> None:
         """Fill ``dest`` with the bytes at ``offset``; a short file is an error naming it."""
@@ -294,7 +337,7 @@ class _StorageErrors:
         return None
 
     def __exit__(self, kind: type | None, exc: BaseException | None, tb: object) -> None:
-        if exc is None or isinstance(exc, StorageError) or not isinstance(exc, Exception):
+        if exc is None or isinstance(exc, CheckpointError) or not isinstance(exc, Exception):
             return
         if isinstance(exc, FileNotFoundError) and self.action in ("stat", "list"):
             return
@@ -374,6 +417,21 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _abandon(f: Any) -> None:
+    """Close an object-store file whose writing failed, without completing the upload.
+
+    fsspec's ``close()`` (which ``with`` calls, error or not) completes a write, so a failure
+    mid-file would make the bytes written so far visible as the whole object. ``discard()`` aborts
+    what the backend started (s3fs: the multipart upload; blocks adlfs staged are never committed
+    and Azure drops them); ``forced`` tells ``close()`` that the final flush is done.
+    """
+    with contextlib.suppress(Exception):  # the write's own error is the one to report
+        f.discard()
+    f.forced = True
+    with contextlib.suppress(Exception):
+        f.close()
 
 
 def _unlink_quiet(path: str) -> None:

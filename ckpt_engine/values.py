@@ -29,7 +29,7 @@ import base64
 import math
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,6 +53,17 @@ _NUMPY_AS_TENSOR = {"bool", "uint8", "int8", "int16", "int32", "int64",
                     "float16", "float32", "float64", "complex64", "complex128"}
 _NUMPY_INLINE = _NUMPY_AS_TENSOR | {"uint16", "uint32", "uint64"}
 
+MAX_DEPTH = 64
+"""Containers (lists, tuples, dicts, NumPy scalars) nest at most this deep in a value tree.
+
+Real training states nest under 15 levels. Every reader walks a tree recursively (decode,
+``ckpt inspect``, ``export``, ``torch.save``), a few Python frames per level, and Python stops at
+1000 frames: a deeper tree is refused when saved (:class:`UnsupportedValueError`) and when read
+(:class:`FormatError`), never a ``RecursionError`` half-way through a restore."""
+MAX_NDIM = 64
+"""Most dimensions a tensor or inline array may have (NumPy's own limit: a tensor beyond it could
+not be returned as an array)."""
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float32`` → ``"float32"``; raises for dtypes a checkpoint cannot name."""
@@ -62,10 +73,12 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def parse_dtype(name: object) -> torch.dtype:
-    """The torch dtype a checkpoint names, from an allow-list (hostile names are rejected)."""
+def parse_dtype(name: object, where: str = "") -> torch.dtype:
+    """The torch dtype a checkpoint names, from an allow-list (hostile names are rejected);
+    ``where`` (the file) prefixes the error."""
     if not isinstance(name, str) or name not in TORCH_DTYPES:
-        raise FormatError(f"unknown tensor dtype {name!r} in checkpoint")
+        raise FormatError(f"{where + ': ' if where else ''}unknown tensor dtype {str(name)[:40]!r} (known: "
+                          f"{', '.join(TORCH_DTYPES)}); the checkpoint is damaged or was not written by ckpt-suite")
     return TORCH_DTYPES[name]
 
 
@@ -103,7 +116,7 @@ def encode(state: object, root: str = "state") -> Encoded:
         names.append(path)
         return len(tensors) - 1
 
-    def enc(v: object, path: str) -> JSON:
+    def enc(v: object, path: str, depth: int = 0) -> JSON:
         if v is None or isinstance(v, (bool, str)):
             return v
         if isinstance(v, int) and type(v) is int:
@@ -112,18 +125,22 @@ def encode(state: object, root: str = "state") -> Encoded:
             return {"$f": v if math.isfinite(v) else repr(v)}
         if isinstance(v, torch.Tensor):
             return {"$tensor": add_tensor(v, path)}
+        if isinstance(v, (list, tuple, dict, np.generic)) and depth >= MAX_DEPTH:
+            raise UnsupportedValueError(f"{path}: nested deeper than {MAX_DEPTH} levels of lists, tuples and dicts, "
+                                        "which readers refuse; flatten that part of the state")
         if isinstance(v, list):
-            return [enc(x, f"{path}[{i}]") for i, x in enumerate(v)]
+            return [enc(x, f"{path}[{i}]", depth + 1) for i, x in enumerate(v)]
         if isinstance(v, tuple) and type(v) is tuple:
-            return {"$tuple": [enc(x, f"{path}[{i}]") for i, x in enumerate(v)]}
+            return {"$tuple": [enc(x, f"{path}[{i}]", depth + 1) for i, x in enumerate(v)]}
         if isinstance(v, dict):
-            return {"$dict": [[enc_key(k, path), enc(x, f"{path}[{k!r}]")] for k, x in v.items()]}
+            return {"$dict": [[enc_key(k, path, depth + 1), enc(x, f"{path}[{k!r}]", depth + 1)]
+                              for k, x in v.items()]}
         if isinstance(v, (bytes, bytearray)):
             return {"$bytes": base64.b64encode(bytes(v)).decode("ascii")}
         if isinstance(v, np.ndarray):
             return enc_ndarray(v, path)
         if isinstance(v, np.generic) and v.dtype.name in _NUMPY_INLINE:
-            return {"$np": [v.dtype.name, enc(v.item(), path)]}
+            return {"$np": [v.dtype.name, enc(v.item(), path, depth + 1)]}
         if isinstance(v, torch.dtype):
             return {"$dtype": dtype_name(v)}
         if isinstance(v, torch.Size):
@@ -135,15 +152,15 @@ def encode(state: object, root: str = "state") -> Encoded:
             "without pickle; convert it to tensors, numbers, strings, lists or dicts first"
         )
 
-    def enc_key(k: object, path: str) -> JSON:
+    def enc_key(k: object, path: str, depth: int) -> JSON:
         if isinstance(k, (torch.Tensor, np.ndarray, list, dict)):
             raise UnsupportedValueError(f"{path}: dict key {k!r} is not a plain hashable value")
-        return enc(k, f"{path}.<key>")
+        return enc(k, f"{path}.<key>", depth)
 
     def enc_ndarray(a: np.ndarray, path: str) -> JSON:
         if a.dtype.name in _NUMPY_AS_TENSOR:
             return {"$tensor": add_tensor(torch.from_numpy(np.ascontiguousarray(a)), path), "as": "numpy"}
-        if a.dtype.name in _NUMPY_INLINE:
+        if a.dtype.name in _NUMPY_INLINE and a.ndim <= MAX_NDIM:
             data = base64.b64encode(np.ascontiguousarray(a).tobytes()).decode("ascii")
             return {"$ndarray": {"dtype": a.dtype.name, "shape": list(a.shape), "data": data}}
         raise UnsupportedValueError(f"{path}: numpy dtype {a.dtype} cannot be stored without pickle")
@@ -199,6 +216,8 @@ def tensor_refusal(t: torch.Tensor) -> str | None:
                 "load its values")
     if t.device.type not in ("cpu", "cuda"):
         return f"a tensor on device {t.device} ({_facts(t)}): only CPU and CUDA tensors are supported; store t.cpu()"
+    if t.dim() > MAX_NDIM:
+        return f"a tensor of {t.dim()} dimensions ({_facts(t)}): the format allows {MAX_NDIM}; reshape it"
     if str(t.dtype).removeprefix("torch.") not in TORCH_DTYPES:
         return (f"a tensor of {_facts(t)}: the checkpoint format has no such dtype; convert it to one of "
                 + ", ".join(TORCH_DTYPES))
@@ -232,70 +251,5 @@ def _has_storage(t: torch.Tensor) -> bool:
         return False
 
 
-def decode(tree: JSON, tensor: Callable[[int], torch.Tensor]) -> object:
-    """Rebuild the value that :func:`encode` produced; ``tensor(i)`` returns table entry ``i``.
-
-    Raises :class:`FormatError` for any node that is not part of the format.
-    """
-
-    def dec(v: JSON) -> object:
-        if v is None or isinstance(v, (bool, str, int)):
-            return v
-        if isinstance(v, list):
-            return [dec(x) for x in v]
-        if not isinstance(v, dict) or len(v) not in (1, 2):
-            raise FormatError(f"malformed value node {str(v)[:80]!r}")
-        tag = next(iter(v))
-        body = v[tag]
-        if tag == "$f":
-            return float(body) if isinstance(body, (int, float)) or body in ("nan", "inf", "-inf") else _bad(v)
-        if tag == "$tensor":
-            if not isinstance(body, int) or isinstance(body, bool):
-                _bad(v)
-            t = tensor(body)
-            return t.numpy() if v.get("as") == "numpy" else t
-        if len(v) != 1:
-            _bad(v)
-        if tag == "$tuple" and isinstance(body, list):
-            return tuple(dec(x) for x in body)
-        if tag == "$dict" and isinstance(body, list):
-            if not all(isinstance(p, list) and len(p) == 2 for p in body):
-                _bad(v)
-            return {dec(k): dec(x) for k, x in body}
-        if tag == "$bytes" and isinstance(body, str):
-            return _b64(body)
-        if tag == "$ndarray" and isinstance(body, dict):
-            return _dec_ndarray(body)
-        if tag == "$np" and isinstance(body, list) and len(body) == 2 and body[0] in _NUMPY_INLINE:
-            return np.dtype(body[0]).type(dec(body[1]))
-        if tag == "$dtype":
-            return parse_dtype(body)
-        if tag == "$size" and isinstance(body, list) and all(type(x) is int for x in body):
-            return torch.Size(body)
-        if tag == "$device" and isinstance(body, str):
-            return torch.device(body)
-        return _bad(v)
-
-    return dec(tree)
-
-
-def _dec_ndarray(body: dict) -> np.ndarray:
-    dtype, shape, data = body.get("dtype"), body.get("shape"), body.get("data")
-    if dtype not in _NUMPY_INLINE or not isinstance(shape, list) or not isinstance(data, str):
-        raise FormatError(f"malformed $ndarray node (dtype {dtype!r})")
-    raw = _b64(data)
-    count = math.prod(shape) if all(type(s) is int and s >= 0 for s in shape) else -1
-    if count * np.dtype(dtype).itemsize != len(raw):
-        raise FormatError(f"$ndarray of shape {shape} and dtype {dtype} does not match its {len(raw)} bytes")
-    return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
-
-
-def _b64(data: str) -> bytes:
-    try:
-        return base64.b64decode(data, validate=True)
-    except ValueError as e:  # binascii.Error
-        raise FormatError(f"malformed base64 payload ({e})") from None
-
-
-def _bad(v: JSON) -> Any:
-    raise FormatError(f"malformed value node {str(v)[:80]!r}")
+# The reading side (typed JSON back to values, safe on hostile input) lives in decode.py.
+from .decode import check_tree, decode  # noqa: E402,F401  (re-exported: callers import them from here)

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
 import torch
 
 from ckpt_engine import Checkpointer, CheckpointError, LocalComm, TorchDistComm
+from ckpt_engine.agree import on_rank0
 from ckpt_engine.figures import FigureReporter
 from ckpt_engine.preempt import SignalAgreement
 from ckpt_engine.resumable import rng_state, set_rng_state
@@ -152,7 +153,7 @@ class AsyncShardedCheckpoint(*_lightning.bases("callbacks.Callback")):  # type: 
         """
         assert self.ck is not None and self._trainer is not None
         trainer, root = self._trainer, self.config.location
-        ours = self._comm.broadcast(self.ck.latest_step() if self._comm.rank == 0 else None)
+        ours = on_rank0(self._comm, self.ck.latest_step)  # a failure listing is raised on every rank
         lightning(path)
         if path is not None:
             if is_our_checkpoint(path, root) is not None or ours is None:
@@ -170,26 +171,26 @@ class AsyncShardedCheckpoint(*_lightning.bases("callbacks.Callback")):  # type: 
                               f"is restored instead (it also restores the data position and RNG); {path} is not used.")
         elif self.resume != "auto" or ours is None:
             return
-        checkpoint = self.restore(ours)
+        checkpoint = self.restore(None)  # the newest that verifies everywhere (a damaged one is skipped)
         _trainer_api.inject_loaded_checkpoint(trainer, checkpoint, root)
 
     def restore(self, step: int | None) -> dict[str, Any]:
-        """Load checkpoint ``step`` (newest if ``None``) as the dictionary Lightning restores from;
-        remember this rank's data position and RNG for the moments they must be applied."""
+        """Load checkpoint ``step`` (the newest that verifies on every rank if ``None``) as the
+        dictionary Lightning restores from; remember this rank's data position and RNG for the
+        moments they must be applied. Every rank calls it (a collective)."""
         assert self.ck is not None
-        state = self.ck.load(step)
-        own = self.ck.load_local()
-        first = own if self.ck.rank == 0 and own is not None else self.ck.load_local(rank=0)
+        restored = self.ck.restore(step)  # a collective: verified on every rank, damaged ones skipped
+        own, first = restored.local, restored.first
         mine = own if own is not None else first
-        checkpoint = assemble(state, first["misc"], mine["buffers"])
+        checkpoint = assemble(restored.state, first["misc"], mine["buffers"])
         self._pending_data = mine["data"]
         self._pending_rng = own["rng"] if own is not None else None
-        manifest = self.ck.loaded_manifest
-        self.resumed_from = manifest.step if manifest else step
+        manifest = restored.manifest
+        self.resumed_from = restored.step
         self._restarted_epoch = True
         for sampler in self._samplers:
             self._apply_data_position(sampler)
-        if self._trainer is not None and manifest is not None:
+        if self._trainer is not None:
             self._quiet = _lightning.silence_not_resumable()  # this callback resumes the data position
             newer = _resume.newer_files(_trainer_api.lightning_checkpoint_dirs(self._trainer), manifest.created_at)
             if newer:

@@ -71,6 +71,11 @@ fi
 # it runs every time (a venv refreshed by hand is repaired too).
 VENV=$VENV bash scripts/install_horovod.sh
 
+# azurite (Azure's blob emulator, from the npm registry) for the storage conformance
+# tests: into $VENV/azurite, with Node.js from Debian if it is missing. Idempotent,
+# quiet, and instant when present, so it runs every time too.
+VENV=$VENV bash scripts/install_azurite.sh
+
 # Sanity checks, run every time (cheap).
 "$PY" -m pip --disable-pip-version-check check
 torch_version=$("$PY" -c "import torch; assert '+cpu' in torch.__version__ or not torch.cuda.is_available(), torch.__version__; print(torch.__version__)")

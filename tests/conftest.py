@@ -85,14 +85,45 @@ def s3_url(s3_server):
     return f"s3://ckpt/run-{uuid.uuid4().hex[:12]}"
 
 
-@pytest.fixture(params=["local", "memory", "s3"])
+@pytest.fixture(scope="session")
+def azurite_server():
+    """Azure's blob emulator (azurite) over real HTTP on loopback, its connection string in the environment."""
+    import azurite
+
+    server = azurite.start()
+    try:
+        azurite.make_container(server, "ckpt")
+        with pytest.MonkeyPatch.context() as env:
+            for k, v in server.env.items():
+                env.setenv(k, v)
+            yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def az_url(azurite_server):
+    """A fresh prefix in the test container, through adlfs (``abfs://``)."""
+    return f"abfs://ckpt/run-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(params=["local", "memory", pytest.param("s3", marks=pytest.mark.s3),
+                        pytest.param("azure", marks=pytest.mark.azure)])
 def any_url(request, tmp_path):
     """The same test on every backend (the storage conformance suite)."""
     if request.param == "local":
         return str(tmp_path / "ck")
     if request.param == "memory":
         return f"memory://ckpt-test-{uuid.uuid4().hex}"
-    return request.getfixturevalue("s3_url")
+    return request.getfixturevalue("s3_url" if request.param == "s3" else "az_url")
+
+
+def pytest_collection_modifyitems(items):
+    """Tests that use an object-store server carry its marker: ``-m "not s3 and not azure"`` leaves them out."""
+    for item in items:
+        for fixture, mark in (("s3_server", pytest.mark.s3), ("azurite_server", pytest.mark.azure)):
+            if fixture in getattr(item, "fixturenames", ()):
+                item.add_marker(mark)
 
 
 @pytest.fixture

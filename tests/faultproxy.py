@@ -2,11 +2,15 @@
 
 ``fail(n, how)`` makes the next ``n`` connections fail: ``"503"`` answers them with
 *503 Slow Down*, ``"drop"`` closes them without a word; ``fail(-1, ...)`` fails every one until
-``heal()``. Everything else is forwarded byte for byte. Real HTTP, real clients, real retries.
+``heal()``. ``reply(pattern, status, code)`` answers every request whose request line matches
+``pattern`` (a regex, e.g. one for ``GET /<bucket>?uploads``) with that S3-style error instead of
+forwarding it: a server that lacks an API. Everything else is forwarded byte for byte. Real HTTP,
+real clients, real retries.
 """
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 
@@ -25,6 +29,8 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._remaining, self._how = 0, "503"
         self.injected = 0
+        self._replies: list[tuple[re.Pattern[bytes], bytes]] = []
+        self.replied = 0
         self._closed = False
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -34,6 +40,17 @@ class FaultProxy:
 
     def heal(self) -> None:
         self.fail(0)
+
+    def reply(self, pattern: str, status: int, code: str, message: str = "injected by faultproxy") -> None:
+        """Answer requests whose request line matches ``pattern`` with ``status`` and an S3 error ``code``.
+
+        Applies to connections opened from now on (close pooled clients first, or use a fresh one).
+        """
+        body = f"<Error><Code>{code}</Code><Message>{message}</Message></Error>".encode()
+        head = (f"HTTP/1.1 {status} {code}\r\nContent-Type: application/xml\r\nConnection: close\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        with self._lock:
+            self._replies.append((re.compile(pattern.encode()), head + body))
 
     def close(self) -> None:
         self._closed = True
@@ -69,7 +86,44 @@ class FaultProxy:
             return
         upstream = socket.create_connection(self.target)
         threading.Thread(target=_pipe, args=(upstream, client), daemon=True).start()
-        _pipe(client, upstream)
+        if self._replies:
+            self._forward_requests(client, upstream)
+        else:
+            _pipe(client, upstream)
+
+    def _forward_requests(self, client: socket.socket, upstream: socket.socket) -> None:
+        """Forward one request at a time (clients do not pipeline), answering matching ones here.
+
+        Headers go upstream as soon as they are read and the body is streamed after them (a
+        client that sends ``Expect: 100-continue`` waits for the server before sending it). A
+        matching request closes the connection after the reply (``Connection: close``): the
+        client had read the responses of earlier requests before it sent this one.
+        """
+        stream = _Stream(client, upstream)
+        try:
+            while (head := stream.head()) is not None:
+                answer = self._answer_for(head.split(b"\r\n", 1)[0])
+                if answer is not None:
+                    client.sendall(answer)
+                    break
+                upstream.sendall(head)
+                stream.forward_body(head)
+        except OSError:
+            pass
+        for s in (client, upstream):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def _answer_for(self, request_line: bytes) -> bytes | None:
+        with self._lock:
+            for pattern, answer in self._replies:
+                if pattern.search(request_line):
+                    self.replied += 1
+                    return answer
+        return None
 
 
 def _read_headers(sock: socket.socket) -> None:
@@ -79,6 +133,56 @@ def _read_headers(sock: socket.socket) -> None:
         if not chunk:
             return
         data += chunk
+
+
+class _Stream:
+    """The requests a client sends on one connection, parsed just enough to find where each ends."""
+
+    def __init__(self, client: socket.socket, upstream: socket.socket) -> None:
+        self.client, self.upstream, self.buf = client, upstream, b""
+
+    def _fill(self) -> bool:
+        chunk = self.client.recv(1 << 20)
+        self.buf += chunk
+        return bool(chunk)
+
+    def head(self) -> bytes | None:
+        """The next request line and headers; ``None`` when the client closed between requests."""
+        while b"\r\n\r\n" not in self.buf:
+            if not self._fill():
+                return None
+        end = self.buf.index(b"\r\n\r\n") + 4
+        head, self.buf = self.buf[:end], self.buf[end:]
+        return head
+
+    def forward_body(self, head: bytes) -> None:
+        """Send the body of the request ``head`` upstream as it arrives (length or chunked)."""
+        lower = head.lower()
+        if b"transfer-encoding: chunked" in lower:
+            while (size := int(self._line().split(b";")[0], 16)) > 0:
+                self._forward(size + 2)  # the chunk and its CRLF
+            while self._line() != b"\r\n":  # trailers, then the empty line
+                pass
+            return
+        m = re.search(rb"\r\ncontent-length:\s*(\d+)", lower)
+        self._forward(int(m.group(1)) if m else 0)
+
+    def _line(self) -> bytes:
+        while b"\r\n" not in self.buf:
+            if not self._fill():
+                raise OSError("client closed the connection inside a request")
+        end = self.buf.index(b"\r\n") + 2
+        line, self.buf = self.buf[:end], self.buf[end:]
+        self.upstream.sendall(line)
+        return line
+
+    def _forward(self, n: int) -> None:
+        while n > 0:
+            if not self.buf and not self._fill():
+                raise OSError("client closed the connection inside a request body")
+            piece, self.buf = self.buf[:n], self.buf[n:]
+            self.upstream.sendall(piece)
+            n -= len(piece)
 
 
 def _pipe(src: socket.socket, dst: socket.socket) -> None:

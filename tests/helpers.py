@@ -39,3 +39,16 @@ def proc_stat(pid: "int | str") -> list[str] | None:
             return f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
+
+
+def flip_local(root: str, dirname: str, rank: int) -> None:
+    """Flip one byte of ``rank``'s first local (per-rank) tensor in its data file of ``dirname``."""
+    import json
+    import os
+
+    idx = json.loads(open(os.path.join(root, dirname, f"rank-{rank:05d}.index.json"), "rb").read())
+    offset = next(e[4] for e in idx["entries"] if e[0] == 1)
+    path = os.path.join(root, dirname, f"rank-{rank:05d}.bin")
+    raw = bytearray(open(path, "rb").read())
+    raw[offset] ^= 0x40
+    open(path, "wb").write(bytes(raw))

@@ -176,3 +176,90 @@ def test_load_with_fallback_returns_the_newest_checkpoint_that_verifies(tmp_path
     assert ck.load(fallback=True)["step"] == 1
     assert len(ck.load_failures) == 2 and "checksum mismatch" in ck.load_failures[0]
     assert ck.load_local() == {"step": 1}  # local comes from the same checkpoint
+
+
+class NoLatestStorage(Storage):
+    """The real storage, except that updating the ``latest`` hint fails (a full or read-only root
+    where the checkpoint's own directory could still be written)."""
+
+    def write_atomic(self, rel, data, **kw):
+        if rel == "latest":
+            return self._run("write", rel, _fail_io)
+        return super().write_atomic(rel, data, **kw)
+
+
+def _fail_io():
+    raise OSError(5, "Input/output error (injected)")
+
+
+def test_a_failed_latest_write_after_the_manifest_is_a_warning_and_the_save_counts(tmp_path):
+    """Only the manifest decides visibility, so only the manifest decides success: retention runs,
+    the counters and the figures say committed, and the failure of the hint is a warning."""
+    from ckpt_engine import CheckpointWarning
+    from ckpt_engine.figures import figure_row
+    ck = Checkpointer(NoLatestStorage(str(tmp_path)), keep_last=1)  # on_error="raise"
+    ck.save(state(1.0), 1)
+    with pytest.warns(CheckpointWarning, match=r"committed.*latest"):
+        ck.wait()
+    ck.save(state(2.0), 2)
+    with pytest.warns(CheckpointWarning, match=r"step-000000000002.*committed.*latest"):
+        ck.wait(retention=True)
+    assert ck.counters["committed"] == 2 and ck.counters["failed"] == 0
+    assert ck.records[-1].committed and figure_row(ck.records[-1], {})["committed"]
+    assert ck.steps() == [2] and [d for d in os.listdir(tmp_path) if d.startswith("step-")] == \
+        [manifest_dirs(_storage(str(tmp_path)))[-1][1]]  # retention removed step 1
+    assert ck.load()["step"] == 2
+    ck.close()
+
+
+class GatedFailingStorage(FailingStorage):
+    """``FailingStorage`` whose failing writes first wait for ``gate``: several saves queue up
+    behind it, so their failures all happen before anything is reported (no timing involved)."""
+
+    def __init__(self, *a, **kw):
+        import threading
+        super().__init__(*a, **kw)
+        self.gate = threading.Event()
+
+    def write_stream(self, rel, chunks, **kw):
+        if self.fail_on and self.fail_on in rel:
+            assert self.gate.wait(60), "the test never opened the gate"
+        return super().write_stream(rel, chunks, **kw)
+
+
+def _three_failed_saves(tmp_path, on_error: str) -> Checkpointer:
+    storage = GatedFailingStorage(str(tmp_path))
+    storage.fail_on = "rank-00000.bin"
+    ck = Checkpointer(storage, on_error=on_error, max_inflight=3)
+    for s in (1, 2, 3):
+        ck.save(state(float(s)), s)  # none has failed yet: every job waits at the gate
+    storage.gate.set()
+    return ck
+
+
+def test_each_of_several_background_failures_is_counted_and_warned(tmp_path):
+    from ckpt_engine import CheckpointWarning
+    ck = _three_failed_saves(tmp_path, "warn")
+    with pytest.warns(CheckpointWarning) as caught:
+        ck.wait()
+    assert ck.counters["failed"] == 3
+    messages = [str(w.message) for w in caught if "not saved" in str(w.message)]
+    assert len(messages) == 3
+    assert [f"step-00000000000{s}-" in m for s, m in zip((1, 2, 3), messages)] == [True] * 3
+    assert [r.error is not None and not r.committed for r in ck.records] == [True] * 3
+    ck.storage.fail_on = None
+    ck.close()
+
+
+def test_with_raise_each_call_surfaces_the_earliest_unreported_failure(tmp_path):
+    ck = _three_failed_saves(tmp_path, "raise")
+    for s in (1, 2):
+        with pytest.raises(CheckpointError, match=f"step-00000000000{s}-"):
+            ck.wait()
+    ck.storage.fail_on = None
+    with pytest.raises(CheckpointError, match="step-000000000003-"):
+        ck.save(state(4.0), 4)  # the next call raises the next one, once
+    assert ck.counters["failed"] == 3
+    ck.save(state(4.0), 4)
+    ck.close()
+    assert ck.steps() == [4]

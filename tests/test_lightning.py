@@ -13,7 +13,7 @@ import torch
 
 from ckpt_engine import Checkpointer
 from ckpt_engine.catalog import committed
-from helpers import proc_stat
+from helpers import flip_local, proc_stat
 
 pytestmark = pytest.mark.integration
 WORKER = os.path.join(os.path.dirname(__file__), "lightning_worker.py")
@@ -396,3 +396,13 @@ def test_epoch_schedulers_and_validation_across_a_resume_are_bitwise(tmp_path, s
         a, b = final(ref, "ref"), final(out, "resumed")
         assert a["scheduler"] == b["scheduler"], restored
         assert_bitwise(a, b)
+
+
+def test_resume_falls_back_past_a_checkpoint_whose_per_rank_section_is_damaged(tmp_path):
+    """Rank 1's per-rank section of the newest checkpoint is damaged: both ranks resume from the one before."""
+    ck = tmp_path / "ck"
+    run(tmp_path, ck, "--max-steps", "20", "--tag", "first")
+    newest = sorted(p for p in os.listdir(ck) if p.startswith("step-000000000020"))[-1]
+    flip_local(str(ck), newest, 1)
+    proc = run(tmp_path, ck, "--max-steps", "24", "--tag", "again")
+    assert json.load(open(tmp_path / "resumed-again.json"))["resumed_from"] == 15, proc.stderr[-3000:]

@@ -181,6 +181,35 @@ def test_persistent_failure_surfaces_keeps_previous_and_training_goes_on(s3_serv
     assert Checkpointer(st).latest_step() == 3
 
 
+# s3rver's answer to ListMultipartUploads (GET /<bucket>?uploads), an optional API.
+_LIST_UPLOADS = r"^GET /[^ ?]*\?(\S*&)?uploads[&= ]"
+
+
+def test_a_store_without_multipart_listing_skips_that_cleanup_with_one_warning(s3_server, proxy):
+    """501 Not Implemented is not transient: the start-up sweep skips it at once, warned once."""
+    import time
+    import warnings
+
+    proxy.reply(_LIST_UPLOADS, 501, "NotImplemented", "A header you provided implies functionality "
+                "that is not implemented")
+    st = proxied(s3_server, proxy, retry_deadline=60.0)  # the library's default deadline
+    state = {"w": torch.randn(1000, 100)}
+    started = time.monotonic()
+    with pytest.warns(CheckpointWarning, match=r"ListMultipartUploads.*501"):
+        ck = Checkpointer(st)
+    assert time.monotonic() - started < 20, "a guard only: the sweep must not retry the 501"
+    with ck:
+        ck.save(state, 1)
+        ck.wait()
+        assert_same(ck.load(), state)
+    assert proxy.replied == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: the same store is not asked (nor warned about) again
+        with Checkpointer(st) as again:
+            assert_same(again.load(), state)
+    assert proxy.replied == 1
+
+
 @pytest.mark.parametrize("tail", [0, 1, 4095])
 def test_direct_io_write_of_an_aligned_buffer_is_exact_and_bypasses_the_page_cache(tmp_path, tail):
     """Large page-aligned buffers go out with O_DIRECT (the unaligned tail buffered); bytes exact."""
@@ -236,3 +265,77 @@ def test_direct_io_refused_falls_back_to_buffered_writes(tmp_path, monkeypatch):
 def test_direct_io_can_be_switched_off(tmp_path, monkeypatch):
     monkeypatch.setenv("CKPT_DIRECT_IO", "0")
     assert not Storage(str(tmp_path)).direct_io
+
+
+def test_not_implemented_is_not_transient():
+    """A 501 is a 5xx but permanent: the server lacks the API (s3fs raises it as ENOSYS)."""
+    import errno
+
+    from ckpt_engine.retry import is_not_implemented
+
+    answer = type("ClientError", (Exception,), {"response": {
+        "Error": {"Code": "NotImplemented"}, "ResponseMetadata": {"HTTPStatusCode": 501}}})()
+    wrapped = OSError(errno.ENOSYS, "not implemented")
+    wrapped.__cause__ = answer
+    for e in (answer, wrapped):
+        assert is_not_implemented(e) and not is_transient(e)
+    assert not is_not_implemented(ConnectionResetError()) and is_transient(ConnectionResetError())
+
+
+class _FailingChunks:
+    """Chunks that end in ENOSPC after ``nbytes``, anew on every pass (like a streamed copy)."""
+
+    def __init__(self, nbytes: int, chunk: int = 1 << 20) -> None:
+        self.nbytes, self.chunk = nbytes, chunk
+
+    def __iter__(self):
+        for _ in range(self.nbytes // self.chunk):
+            yield b"x" * self.chunk
+        raise OSError(28, "No space left on device (injected)")
+
+
+@pytest.mark.parametrize("url", [pytest.param("s3_url", marks=pytest.mark.s3),
+                                 pytest.param("az_url", marks=pytest.mark.azure)])
+def test_a_failed_upload_leaves_no_partial_object(url, request, monkeypatch):
+    """fsspec's close() completes an upload even after an error: the bytes so far must not become the object."""
+    from ckpt_engine import storage as storage_mod
+
+    monkeypatch.setattr(storage_mod, "_OBJECT_BLOCK", 5 << 20)  # parts / staged blocks before the failure
+    st = Storage(request.getfixturevalue(url), retry_deadline=1)
+    with pytest.raises(StorageError, match=r"could not write .*d/f\.bin: .*No space left"):
+        st.write_stream("d/f.bin", _FailingChunks(12 << 20))
+    assert not st.exists("d/f.bin") and st.listdir("d") == []
+    assert st.abort_uploads() == []  # s3: the multipart upload was aborted, not left behind
+
+
+@pytest.mark.parametrize("url", [pytest.param("s3_url", marks=pytest.mark.s3),
+                                 pytest.param("az_url", marks=pytest.mark.azure)])
+def test_one_filesystem_object_per_store(url, request):
+    """fsspec caches filesystems by URL options: a backend's one-time probes (credentials, gcsfs's
+    bucket layout) are paid once per process, not once per Storage, let alone per call."""
+    where = request.getfixturevalue(url)
+    assert Storage(where).fs is Storage(f"{where}/other").fs
+
+
+def test_checkpointer_end_to_end_on_azurite(az_url, azurite_server, monkeypatch):
+    """Azure through adlfs: large files go up as staged blocks committed at close; the start-up sweep
+    (no multipart listing there) removes a crashed run's attempt and keeps the checkpoint."""
+    import azurite
+    from ckpt_engine import storage as storage_mod
+    from ckpt_engine.catalog import attempt_dirs
+
+    monkeypatch.setattr(storage_mod, "_OBJECT_BLOCK", 4 << 20)  # 20 MiB: six staged blocks
+    state = {"big": torch.randn(5 << 20), "small": torch.arange(10), "v": "x"}
+    with Checkpointer(az_url, keep_last=1) as ck:
+        ck.save(state, 1, {"rank": 0})
+        ck.wait(retention=True)
+        dirname = ck.records[-1].dirname
+    prefix, size = az_url.removeprefix("abfs://ckpt/"), Storage(az_url).size(f"{dirname}/rank-00000.bin")
+    blocks = azurite.committed_blocks(azurite_server, "ckpt", f"{prefix}/{dirname}/rank-00000.bin")
+    assert size > 20 << 20 and blocks == -(-size // (4 << 20)), (size, blocks)
+    crashed = "step-000000000002-" + "0" * 35
+    Storage(az_url).write_stream(f"{crashed}/rank-00000.bin", [b"a crashed run's bytes"])
+    with Checkpointer(az_url) as ck:  # a writable start sweeps
+        assert attempt_dirs(ck.storage) == [dirname]
+        assert_same(ck.load(), state)
+        assert ck.load_local() == {"rank": 0}
