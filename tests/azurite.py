@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from s3server import free_port
+from servers import free_port, stop, wait_until_serving
 
 BINARY = Path(__file__).resolve().parent.parent / ".venv" / "azurite" / "node_modules" / ".bin" / "azurite-blob"
 ACCOUNT = "devstoreaccount1"
@@ -43,12 +40,7 @@ class Azurite:
         return {"AZURE_STORAGE_CONNECTION_STRING": self.connection_string}
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop(self.proc)
 
 
 def missing() -> str | None:
@@ -71,19 +63,9 @@ def start(port: int | None = None) -> Azurite:
                              "--disableTelemetry"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     endpoint = f"http://127.0.0.1:{port}/{ACCOUNT}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(f"{endpoint}?comp=list", timeout=1).read()
-            return Azurite(proc, endpoint)
-        except urllib.error.HTTPError:  # any HTTP answer (unsigned: 403) means it is serving
-            return Azurite(proc, endpoint)
-        except OSError:
-            if proc.poll() is not None:
-                raise RuntimeError(f"azurite exited with {proc.returncode}; run {BINARY} by hand to see why")
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("azurite did not start within 60 s")
+    # An unsigned request gets 403: any HTTP answer means it is serving (node starts slowly here).
+    wait_until_serving(proc, f"{endpoint}?comp=list", f"azurite (run {BINARY} by hand to see why)", 60)
+    return Azurite(proc, endpoint)
 
 
 def make_container(server: Azurite, name: str) -> None:

@@ -6,13 +6,11 @@ endpoint reach s3fs the way users configure them: environment variables (fsspec'
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from dataclasses import dataclass
+
+from servers import free_port, stop, wait_until_serving
 
 ENV = {"AWS_ACCESS_KEY_ID": "testing-key", "AWS_SECRET_ACCESS_KEY": "testing-secret-DO-NOT-LOG",
        "AWS_DEFAULT_REGION": "us-east-1"}
@@ -36,18 +34,7 @@ class MotoServer:
                 "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"}}
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        stop(self.proc)
 
 
 def start(port: int | None = None) -> MotoServer:
@@ -56,17 +43,8 @@ def start(port: int | None = None) -> MotoServer:
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).read()
-            return MotoServer(proc, endpoint)
-        except OSError:
-            if proc.poll() is not None:
-                raise RuntimeError(f"moto server exited with {proc.returncode}")
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("moto server did not start within 30 s")
+    wait_until_serving(proc, f"{endpoint}/moto-api/", "moto server", 30)
+    return MotoServer(proc, endpoint)
 
 
 def make_bucket(server: MotoServer, name: str) -> None:

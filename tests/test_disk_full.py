@@ -18,6 +18,7 @@ import torch
 
 from ckpt_engine import Checkpointer, CheckpointWarning, DiskFullError
 from ckpt_engine.storage import Storage
+from ckpt_engine.testing import SequentialComm
 from conftest import FailingStorage
 
 
@@ -140,34 +141,14 @@ def test_without_keep_last_nothing_committed_is_deleted_to_make_room(tmp_path):
     ck.close()
 
 
-class _Broadcast:
-    """Simulated ranks in one process: rank 0 is built first, the others read its broadcast."""
-
-    def __init__(self) -> None:
-        self.value = None
-
-
-class _SimComm:
-    def __init__(self, rank: int, world_size: int, shared: _Broadcast) -> None:
-        self.rank, self.world_size, self._shared = rank, world_size, shared
-
-    def broadcast(self, value, src=0):
-        if self.rank == src:
-            self._shared.value = value
-        return self._shared.value
-
-    def all_gather(self, value):
-        raise AssertionError("not used by Checkpointer's save path")
-
-
 def test_two_ranks_one_disk_full_nothing_committed_every_rank_file_removed(tmp_path):
     """Rank 1 hits ENOSPC in its data file: rank 0 must not commit the attempt, rank 1 removes its
     partial file, rank 0 removes every rank's data and index files (abort markers stay until the
     next commit's retention), and the next save of both ranks commits."""
-    shared = _Broadcast()
-    r0 = Checkpointer(Storage(str(tmp_path)), comm=_SimComm(0, 2, shared), on_error="warn")
+    comm0, comm1 = SequentialComm.group(2)
+    r0 = Checkpointer(Storage(str(tmp_path)), comm=comm0, on_error="warn")
     failing = FailingStorage(str(tmp_path))
-    r1 = Checkpointer(failing, comm=_SimComm(1, 2, shared), on_error="warn")
+    r1 = Checkpointer(failing, comm=comm1, on_error="warn")
     for ck in (r0, r1):
         ck.save(state(1.0), 1)
     r0.wait()

@@ -18,7 +18,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
@@ -34,6 +33,7 @@ from ckpt_engine.describe import describe
 from ckpt_engine.manifest import seal, unseal
 from ckpt_engine.restore import open_checkpoint, read_local, read_state
 from ckpt_engine.storage import Storage
+from ckpt_engine.testing import SequentialComm, run_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,30 +47,10 @@ def local(v: float, rank: int) -> dict:
     return {"rank": rank, "bn": torch.full((5,), v + rank), "pos": int(v) * 10 + rank}
 
 
-class _Shared:
-    value = None
-
-
-class SimComm:
-    """Ranks simulated in one process for saving: rank 0 is built first, the others read its broadcast."""
-
-    def __init__(self, rank: int, world_size: int, shared: _Shared) -> None:
-        self.rank, self.world_size, self._shared = rank, world_size, shared
-
-    def broadcast(self, value, src=0):
-        if self.rank == src:
-            self._shared.value = value
-        return self._shared.value
-
-    def all_gather(self, value):
-        raise AssertionError("not used to save")
-
-
 def write(root, steps=(1, 2), world: int = 1) -> str:
     """Checkpoints of ``steps`` at ``root`` written by ``world`` ranks (each its own slices and local)."""
     root = str(root)
-    shared = _Shared()
-    cks = [Checkpointer(root, comm=SimComm(r, world, shared)) for r in range(world)]
+    cks = [Checkpointer(root, comm=comm) for comm in SequentialComm.group(world)]
     for s in steps:
         for r, ck in enumerate(cks):
             ck.save(state(float(s)), s, local(float(s), r))
@@ -125,42 +105,6 @@ def root(template, tmp_path) -> str:
 
 
 # ---- collectives between threads (for the collective restore) -------------------------------------
-class ThreadComm:
-    """``Comm`` for ranks run as threads of one process (JSON payloads, like the real ones)."""
-
-    def __init__(self, rank: int, slots: list, barrier: threading.Barrier) -> None:
-        self.rank, self.world_size, self._slots, self._barrier = rank, len(slots), slots, barrier
-
-    def all_gather(self, value):
-        self._slots[self.rank] = json.dumps(value)
-        self._barrier.wait()
-        out = [json.loads(s) for s in self._slots]
-        self._barrier.wait()
-        return out
-
-    def broadcast(self, value, src=0):
-        return self.all_gather(value if self.rank == src else None)[src]
-
-
-def on_ranks(world: int, fn) -> list:
-    """``fn(comm)`` on ``world`` threads; their results (or exceptions), by rank."""
-    slots, barrier = [None] * world, threading.Barrier(world, timeout=60)
-    out: list = [None] * world
-
-    def run(rank: int) -> None:
-        try:
-            out[rank] = fn(ThreadComm(rank, slots, barrier))
-        except BaseException as e:  # noqa: BLE001 - returned to the test
-            out[rank] = e
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return out
-
-
 # ---- item 3: a damaged local section defeats the fallback -----------------------------------------
 def test_fallback_skips_a_checkpoint_whose_local_section_is_damaged(root):
     flip_local(root, dirs(root)[-1], 0)
@@ -201,14 +145,14 @@ def test_each_rank_verifies_its_own_local_and_writer_0s_before_choosing(tmp_path
 def test_restore_is_a_collective_all_ranks_fall_back_together(tmp_path):
     root = write(tmp_path / "ck", steps=(1, 2), world=2)
     flip_local(root, dirs(root)[-1], 1)  # only rank 1 would notice
-    got = on_ranks(2, lambda comm: Checkpointer(root, comm=comm, readonly=True).restore())
+    got = run_ranks(2, lambda comm: Checkpointer(root, comm=comm, readonly=True).restore())
     assert [r.step for r in got] == [1, 1], got
     assert [r.local["rank"] for r in got] == [0, 1] and [r.first["rank"] for r in got] == [0, 0]
     assert got[1].state["step"] == 1 and got[1].local["pos"] == 11
     # Three readers of two writers: rank 2 has no writer of its own, it gets writer 0's as `first`.
-    got = on_ranks(3, lambda comm: Checkpointer(root, comm=comm, readonly=True).restore())
+    got = run_ranks(3, lambda comm: Checkpointer(root, comm=comm, readonly=True).restore())
     assert [r.step for r in got] == [1, 1, 1] and got[2].local is None and got[2].first["pos"] == 10
-    failed = on_ranks(2, lambda comm: Checkpointer(root, comm=comm, readonly=True).restore(fallback=False))
+    failed = run_ranks(2, lambda comm: Checkpointer(root, comm=comm, readonly=True).restore(fallback=False))
     assert all(isinstance(e, CorruptionError) for e in failed), failed
 
 

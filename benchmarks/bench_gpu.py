@@ -1,0 +1,751 @@
+"""The CUDA path on one GPU: snapshot stall, GPU-side delay, persist, and training overhead.
+
+Per state size (``--sizes-gib``, default 1 4 16; the state lives on the GPU: float32 and bf16
+matrices, one transposed (non-contiguous) tensor, a few hundred small ones), each contender saves
+the same state and is timed for:
+
+* ``stall``: wall time of the save call on the training thread;
+* ``mutable``: until the state may be mutated (``wait_snapshot()``, DCP's staging future);
+* ``gpu_delay``: how much later a fixed matmul workload (the next forward/backward), queued right
+  after the call behind a short spin kernel (the optimizer step still in flight), ends on the GPU
+  than the same sequence without a save (CUDA events); compared with ``d2h``;
+  ``gpu_delay_to_mutable``: the same for an event recorded on the training stream once the host
+  may mutate the state (when the next optimizer step could run on the GPU);
+* ``durable``: until the checkpoint is on disk (``wait()``, DCP's upload future, Lightning's
+  ``teardown()`` plus an ``fsync``), and the persist throughput ``bytes / (durable - mutable)``.
+
+Physical limits, same bytes: ``d2h`` is ``copy_`` of one contiguous device buffer into preallocated
+pinned memory, synchronized (cudaMemcpy); ``raw write`` writes that pinned buffer to the same
+directory (``O_DIRECT`` and buffered + ``fsync``; the faster is the limit).
+
+Contenders: ours (``Checkpointer.save`` after ``reserve()``, and ``defer=True`` + ``wait_snapshot``),
+DCP ``async_save`` with its default stager and, on CUDA, with ``DefaultStager(StagingOptions(
+use_pinned_memory=True, async staging))``: a fresh one per save (``dcp_async_pinned``: what torch 2.11
+allows, see :func:`_reusable_stager`) and one reused (``dcp_async_pinned_cached``); Lightning
+``AsyncCheckpointIO(TorchCheckpointIO())``. ``--only NAME ...`` re-runs some contenders / training runs.
+
+Then a GPT-2-small-sized model (124M parameters, AdamW, bf16 autocast, synthetic tokens) in a plain
+loop: steps/s without checkpoints, and with ours every step, every 10 steps and under
+``overhead_budget=0.035`` (``Schedule`` + the adaptive policy), and DCP ``async_save`` every 10 steps.
+Overhead = time per step with checkpoints / without - 1 (the baseline is run first and last).
+
+``--tiny``: a few MiB and a 2-layer model; runs on CPU without CUDA (tests/test_gpu.py runs it).
+
+    PYTHONPATH=. python3 benchmarks/bench_gpu.py --sizes-gib 1 4 16 --out benchmarks/out
+    PYTHONPATH=. python3 benchmarks/bench_gpu.py --tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import inspect
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+from _common import fsync_path, gbps, state_bytes, write_fsync  # noqa: E402
+
+from ckpt_engine import Checkpointer  # noqa: E402
+from ckpt_engine.config import CheckpointConfig  # noqa: E402
+from ckpt_engine.policy import EveryNSteps  # noqa: E402
+from ckpt_engine.schedule import Schedule  # noqa: E402
+from ckpt_engine.values import encode  # noqa: E402
+
+GiB, MiB = 1 << 30, 1 << 20
+warnings.filterwarnings("ignore")
+CUDA = torch.cuda.is_available()
+DEV = torch.device("cuda" if CUDA else "cpu")
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
+def sync() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def free_memory() -> None:
+    gc.collect()
+    if CUDA:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        for fn in (getattr(torch._C, "_host_emptyCache", None), getattr(torch.cuda.memory, "empty_host_cache", None)):
+            if fn is not None:
+                fn()
+                break
+
+
+def host_pinned_stats() -> dict[str, float]:
+    """The caching host allocator's byte counters, where this torch has them."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if not CUDA or stats is None:
+        return {}
+    try:
+        return {k: float(v) for k, v in stats().items() if "bytes" in k and "current" in k}
+    except Exception:  # noqa: BLE001 - figures only
+        return {}
+
+
+# ---- the state and the GPU probe ---------------------------------------------------------------------
+def make_state(nbytes: int) -> dict[str, Any]:
+    """~``nbytes`` on DEV: 85 % float32 matrices, 10 % bf16, 2 % one transposed tensor, 200 small ones."""
+    g = torch.Generator(device=DEV).manual_seed(0)
+    cols = 4096 if nbytes >= 256 * MiB else 256
+    model: dict[str, Any] = {}
+    big = int(nbytes * 0.85) // (4 * cols * 48)
+    for i in range(48):
+        model[f"layer{i}.weight"] = torch.rand(big, cols, generator=g, device=DEV)
+    half = int(nbytes * 0.10) // (2 * cols * 8)
+    for i in range(8):
+        model[f"emb{i}.weight"] = torch.rand(half, cols, generator=g, device=DEV).bfloat16()
+    model["proj.weight_t"] = torch.rand(int(nbytes * 0.02) // (4 * cols), cols, generator=g, device=DEV).t()
+    for i in range(200):
+        model[f"layer{i % 48}.norm{i // 48}"] = torch.rand(256 + 64 * i, generator=g, device=DEV)
+    return {"model": model, "optimizer": {"step": 1234, "lr": 3e-4}, "empty": torch.empty(0, device=DEV)}
+
+
+class GpuProbe:
+    """Times a fixed workload queued behind a spin kernel, with or without a save in between."""
+
+    def __init__(self, tiny: bool) -> None:
+        n = 256 if tiny or not CUDA else 8192
+        self.a = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
+        self.reps = 4 if tiny or not CUDA else 36
+        self.cycles = 0
+        if CUDA:
+            torch.cuda._sleep(1000)
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            torch.cuda._sleep(10_000_000)
+            e1.record()
+            sync()
+            self.cycles = int(10_000_000 * 10.0 / max(e0.elapsed_time(e1), 1e-3))  # a 10 ms spin
+        self.workload_s = self.gpu_s(lambda: None) if CUDA else float("nan")
+        self.base_s = statistics.median(self.base()[0] for _ in range(3)) if CUDA else float("nan")
+
+    def workload(self) -> None:
+        for _ in range(self.reps):
+            self.a @ self.a
+
+    def gpu_s(self, before: Callable[[], Any]) -> float:
+        sync()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        before()
+        self.workload()
+        e1.record()
+        sync()
+        return e0.elapsed_time(e1) / 1e3
+
+    def run(self, between: Callable[[], Any]) -> tuple["Timeline", Any]:
+        """Spin, ``between()``, workload; returns (the events' timeline, what ``between()`` returned)."""
+        if not CUDA:  # no device to overlap with: the workload would only add host time
+            return Timeline(None, None), between()
+        sync()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        torch.cuda._sleep(self.cycles)
+        out = between()
+        self.workload()
+        e1.record()
+        return Timeline(e0, e1), out
+
+    def base(self) -> tuple[float, float]:
+        """(spin + workload, the same with a mark after it), no save: the reference of this repetition."""
+        tl, _ = self.run(lambda: None)
+        tl.mark()
+        return tl.workload_end(), tl.mutable_end()
+
+
+class Timeline:
+    """CUDA events of one probe run: start, end of the workload, and ``mark()`` (recorded on the
+    training stream once the host was told the state may be mutated: when the next optimizer step
+    could run on the GPU)."""
+
+    def __init__(self, e0: "torch.cuda.Event | None", e1: "torch.cuda.Event | None") -> None:
+        self.e0, self.e1, self.e2 = e0, e1, None
+
+    def mark(self) -> None:
+        if self.e0 is not None:
+            self.e2 = torch.cuda.Event(enable_timing=True)
+            self.e2.record()
+
+    def workload_end(self) -> float:
+        if self.e0 is None:
+            return float("nan")
+        self.e1.synchronize()
+        return self.e0.elapsed_time(self.e1) / 1e3
+
+    def mutable_end(self) -> float:
+        if self.e2 is None:
+            return float("nan")
+        self.e2.synchronize()
+        return self.e0.elapsed_time(self.e2) / 1e3
+
+
+# ---- physical limits ----------------------------------------------------------------------------------
+def limits(nbytes: int, workdir: str, reps: int, buffered: bool) -> dict[str, float]:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=DEV)
+    src.random_(0, 255)
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=CUDA)
+    dst.fill_(0)  # first touch outside the timing
+    times = []
+    for _ in range(reps):
+        sync()
+        t = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        sync()
+        times.append(time.perf_counter() - t)
+    out = {"d2h_s": min(times), "d2h_gbps": gbps(nbytes, min(times))}
+    view = memoryview(dst.numpy())
+    path = os.path.join(workdir, "raw.bin")
+    kinds = [("direct", True)] if dst.data_ptr() % 4096 == 0 and hasattr(os, "O_DIRECT") else []
+    kinds += [("buffered", False)] if buffered or not kinds else []
+    for kind, direct in kinds:
+        best = float("inf")
+        for _ in range(max(1, reps - 1)):
+            t = time.perf_counter()
+            try:
+                write_fsync(path, [view], direct=direct)
+            except OSError as e:  # a filesystem that refuses O_DIRECT
+                out[f"raw_{kind}_error"] = str(e)
+                break
+            best = min(best, time.perf_counter() - t)
+            os.unlink(path)
+        if best < float("inf"):
+            out[f"raw_{kind}_s"] = best
+    if os.path.exists(path):
+        os.unlink(path)
+    raw = min(v for k, v in out.items() if k.startswith("raw_") and k.endswith("_s"))
+    out["raw_write_s"], out["raw_write_gbps"] = raw, gbps(nbytes, raw)
+    del src, dst, view
+    free_memory()
+    return out
+
+
+# ---- contenders: save() -> (ready, durable) -----------------------------------------------------------
+class Ours:
+    def __init__(self, state: Any, root: str, defer: bool = False) -> None:
+        self.ck, self.defer = Checkpointer(root, keep_last=1), defer
+        t = time.perf_counter()
+        self.ck.reserve(state)
+        self.setup_s = time.perf_counter() - t
+        self.pinned = host_pinned_stats()
+
+    def save(self, state: Any, i: int) -> tuple[Callable[[], None] | None, Callable[[], dict]]:
+        h = self.ck.save(state, i, defer=self.defer)
+        return (h.wait_snapshot if self.defer else None), self._durable
+
+    def _durable(self) -> dict:
+        self.ck.wait()
+        r = self.ck.records[-1]
+        return {"write_s": r.persist_s, "commit_s": r.commit_s, "queue_s": r.snapshot_s,
+                "allocations": self.ck._pool.allocations, "setup_s": self.setup_s, **self.pinned}
+
+    def after(self) -> None:
+        """Untimed: the deletion of the older checkpoint (keep_last=1) is not part of the save."""
+        self.ck.wait(retention=True)
+
+    def close(self) -> None:
+        self.ck.close()
+
+
+class Dcp:
+    """DCP ``async_save``: ``pinned=None`` its default stager (a synchronous copy into pageable
+    memory); ``"fresh"`` a new ``DefaultStager(pinned, async staging)`` per save; ``"cached"`` one
+    stager whose pinned copies are reused across saves (see :func:`_reusable_stager`)."""
+
+    def __init__(self, state: Any, root: str, pinned: str | None) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        self.dcp, self.root, self.pinned, self.stager, self.setup_s = dcp, root, pinned, None, 0.0
+        self.kw = {"no_dist": True} if "no_dist" in inspect.signature(dcp.async_save).parameters else {}
+        if pinned == "cached":
+            self.stager = _reusable_stager()
+            t = time.perf_counter()
+            staged = self.stager.stage(state)  # pin and fill its copies now, as ours' reserve() does
+            staged.result() if hasattr(staged, "result") else None
+            self.setup_s = time.perf_counter() - t
+
+    def save(self, state: Any, i: int) -> tuple[Callable[[], None] | None, Callable[[], dict]]:
+        path = os.path.join(self.root, f"dcp-{i}")
+        stager = _pinned_stager() if self.pinned == "fresh" else self.stager
+        kw = dict(self.kw, async_stager=stager) if stager is not None else self.kw
+        resp = self.dcp.async_save(state, checkpoint_id=path, **kw)
+        staging = getattr(resp, "staging_completion", None)
+        upload = getattr(resp, "upload_completion", resp)
+
+        def durable() -> dict:
+            upload.result()
+            if self.pinned == "fresh":
+                stager.close()
+            return {}
+
+        return (staging.result if staging is not None else None), durable
+
+    def close(self) -> None:
+        if self.stager is not None:
+            inner = self.stager._state_dict_stager
+            type(inner).close(inner)
+            self.stager.close()
+
+
+def _pinned_stager() -> Any:
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=True,
+                                        use_non_blocking_copy=True))
+
+
+def _reusable_stager() -> Any:
+    """A pinned ``DefaultStager`` whose cached pinned copies survive between saves.
+
+    In torch 2.11 ``DefaultStager._stage`` closes its ``StateDictStager`` after every stage, which
+    drops the pinned cache and clears its deepcopy dispatch table, so a reused stager fails on the
+    next save with ``KeyError: <class 'type'>`` (any dict reaches that branch once the table is
+    empty). The inner ``close`` is disabled here (restored in ``Dcp.close``): DCP as designed.
+    """
+    stager = _pinned_stager()
+    stager._state_dict_stager.close = lambda: None
+    return stager
+
+
+class LightningAsync:
+    def __init__(self, state: Any, root: str) -> None:
+        try:
+            from pytorch_lightning.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+        except ImportError:
+            from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+        self.make = lambda: AsyncCheckpointIO(TorchCheckpointIO())
+        self.root, self.setup_s = root, 0.0
+
+    def save(self, state: Any, i: int) -> tuple[Callable[[], None] | None, Callable[[], dict]]:
+        io, path = self.make(), os.path.join(self.root, f"lightning-{i}.ckpt")
+        io.save_checkpoint(state, path)
+
+        def durable() -> dict:
+            io.teardown()
+            fsync_path(path)
+            return {}
+
+        return None, durable
+
+    def close(self) -> None:
+        pass
+
+
+def measure(make: Callable[[str], Any], state: Any, nbytes: int, workdir: str, probe: GpuProbe,
+            reps: int) -> dict[str, Any]:
+    root = os.path.join(workdir, "ckpt")
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    c = make(root)
+    rows = []
+    try:
+        for i in range(reps):
+            base_fwd, base_mut = probe.base()  # same clocks and heap as the save right after it
+
+            def between() -> tuple[float, float, Any]:
+                t = time.perf_counter()
+                handles = c.save(state, i)
+                return t, time.perf_counter() - t, handles
+
+            tl, (t, stall, (ready, durable)) = probe.run(between)
+            if ready is not None:
+                ready()
+            mutable = time.perf_counter() - t if ready is not None else stall
+            tl.mark()
+            extra = durable()
+            done = time.perf_counter() - t
+            rows.append({"stall_s": stall, "mutable_s": mutable, "durable_s": done,
+                         "gpu_delay_s": tl.workload_end() - base_fwd,
+                         "gpu_delay_to_mutable_s": tl.mutable_end() - base_mut,
+                         "persist_gbps": gbps(nbytes, done - mutable), **extra})
+            if hasattr(c, "after"):
+                c.after()
+            for name in os.listdir(root):  # keep at most the last checkpoint on disk (ours: keep_last=1)
+                if name.startswith(("dcp-", "lightning-")):
+                    p = os.path.join(root, name)
+                    shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
+    finally:
+        c.close()
+        del c
+        shutil.rmtree(root, ignore_errors=True)
+        free_memory()
+    steady = rows[1:] if len(rows) > 1 else rows
+    out: dict[str, Any] = {k: statistics.median(r[k] for r in steady) for k in steady[0]}
+    out["reps"], out["first"] = len(rows), rows[0]
+    return out
+
+
+def contenders(tiny: bool, nbytes: int) -> dict[str, Callable[[Any, str], Any]]:
+    out: dict[str, Callable[[Any, str], Any]] = {
+        "ours": lambda s, r: Ours(s, r),
+        "ours_defer": lambda s, r: Ours(s, r, defer=True),
+        "dcp_async": lambda s, r: Dcp(s, r, pinned=None),
+    }
+    if CUDA:
+        out["dcp_async_pinned"] = lambda s, r: Dcp(s, r, pinned="fresh")
+        out["dcp_async_pinned_cached"] = lambda s, r: Dcp(s, r, pinned="cached")
+    out["lightning_async"] = lambda s, r: LightningAsync(s, r)
+    if nbytes > 8 * GiB:  # a 16 GiB write costs ~10 s: one variant of ours, the slowest peer last
+        out.pop("ours_defer")
+        out["lightning_async"] = out.pop("lightning_async")
+        if "dcp_async_pinned" in out:
+            out = {k: out[k] for k in ("ours", "dcp_async_pinned_cached", "dcp_async_pinned", "dcp_async",
+                                       "lightning_async")}
+    return out
+
+
+def bench_size(size: float, args: argparse.Namespace, probe: GpuProbe, out: dict[str, Any],
+               dump: Callable[[], None]) -> None:
+    """Fills ``out`` (already in the results) as it goes; ``dump()`` after each contender."""
+    nbytes = int(size * GiB)
+    need = 2.2 * nbytes + GiB
+    free = shutil.disk_usage(args.workdir).free
+    if free < need:
+        out["skipped"] = f"{free / GiB:.1f} GiB free on {args.workdir}, {need / GiB:.1f} needed"
+        return
+    reps = 3 if nbytes <= GiB else 2 if nbytes <= 4 * GiB else 1
+    state = make_state(nbytes)
+    nbytes = state_bytes(state)
+    out.update(bytes=nbytes, tensors=len(encode(state).tensors), reps=reps)
+    enc_times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        encode(state, "state")
+        enc_times.append(time.perf_counter() - t)
+    out["encode_s"] = min(enc_times)
+    out["contenders"] = {}
+    if not args.only:
+        log(f"{label(size)}: limits")
+        out["limits"] = limits(nbytes, args.workdir, max(2, reps), buffered=nbytes <= 4 * GiB)
+        log(f"  d2h {out['limits']['d2h_gbps']:.1f} GB/s, raw write {out['limits']['raw_write_gbps']:.2f} GB/s")
+    for name, make in contenders(args.tiny, nbytes).items():
+        if args.only and name not in args.only:
+            continue
+        if time.perf_counter() - T0 > args.budget_s:
+            out["contenders"][name] = {"skipped": "time budget"}
+            continue
+        try:
+            r = measure(lambda root: make(state, root), state, nbytes, args.workdir, probe, reps)
+        except Exception as e:  # noqa: BLE001 - one peer's failure (API drift) must not lose the rest
+            r = {"error": f"{type(e).__name__}: {e}", "where": traceback.format_exc(limit=-4)}
+            free_memory()
+        out["contenders"][name] = r
+        log(f"  {name}: " + ", ".join(f"{k}={v:.4g}" for k, v in r.items() if isinstance(v, float))
+            if "error" not in r else f"  {name}: {r['error']}")
+        dump()
+    del state
+    free_memory()
+
+
+def label(size_gib: float) -> str:
+    return f"{size_gib:g} GiB" if size_gib >= 1 else f"{size_gib * 1024:g} MiB"
+
+
+# ---- GPT-2 small training overhead ----------------------------------------------------------------------
+class Block(torch.nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.fc, self.out = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(torch.nn.Module):
+    def __init__(self, vocab: int, seq: int, d: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.wte, self.wpe = torch.nn.Embedding(vocab, d), torch.nn.Embedding(seq, d)
+        self.blocks = torch.nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln = torch.nn.LayerNorm(d)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight  # tied, as GPT-2
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.head(self.ln(x))
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class Trainer:
+    def __init__(self, tiny: bool) -> None:
+        vocab, seq, d, layers, heads, batch = (512, 64, 64, 2, 4, 4) if tiny else (50257, 1024, 768, 12, 12, 16)
+        torch.manual_seed(0)
+        self.model = GPT(vocab, seq, d, layers, heads).to(DEV)
+        self.params = sum(p.numel() for p in self.model.parameters())
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4, **({"fused": True} if CUDA else {}))
+        tokens = [torch.randint(0, vocab, (batch, seq + 1), device=DEV) for _ in range(8)]
+        self.data = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
+        self.step = 0
+
+    def state(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "step": self.step}
+
+    def loop(self, steps: int, before_opt: Callable[[], None] = lambda: None,
+             after: Callable[[int], None] = lambda s: None) -> float:
+        """Seconds per step over ``steps`` steps (``loss.item()`` each step, as a logging loop does)."""
+        sync()
+        t = time.perf_counter()
+        for _ in range(steps):
+            x, y = self.data[self.step % len(self.data)]
+            with torch.autocast(DEV.type, dtype=torch.bfloat16, enabled=CUDA):  # CPU bf16 is slow
+                loss = self.model(x, y)
+            loss.backward()
+            before_opt()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            loss.item()
+            self.step += 1
+            after(self.step)
+        sync()
+        return (time.perf_counter() - t) / steps
+
+
+def train_ours(tr: Trainer, root: str, steps: int, policy: Any) -> dict[str, Any]:
+    ck = Checkpointer(root, keep_last=1)
+    ck.reserve(tr.state())
+    sched = Schedule(policy, ck)
+    taken: list[int] = []
+
+    def after(step: int) -> None:
+        if sched.should_save(step):
+            ck.save(tr.state(), step)
+            sched.saved(step)
+            taken.append(step)
+
+    per_step = tr.loop(steps, after=after)
+    t = time.perf_counter()
+    ck.close()
+    stalls = [r.stall_s for r in ck.records]
+    return {"step_s": per_step, "checkpoints": len(taken), "drain_s": time.perf_counter() - t,
+            "stall_ms_median": 1e3 * statistics.median(stalls) if stalls else 0.0,
+            "waited_s": ck.counters["waited_s"], "skipped": ck.counters["skipped"], "figures": policy.figures()}
+
+
+def train_dcp(tr: Trainer, root: str, steps: int, every: int, pinned: str | None) -> dict[str, Any]:
+    c = Dcp(tr.state(), root, pinned)
+    pending: dict[str, Any] = {"staging": None, "durable": None}
+    stalls: list[float] = []
+
+    def before_opt() -> None:  # the first write to the weights waits for the staging copy
+        if pending["staging"] is not None:
+            pending["staging"]()
+            pending["staging"] = None
+
+    def after(step: int) -> None:
+        if step % every:
+            return
+        t = time.perf_counter()
+        if pending["durable"] is not None:  # one DCP checkpoint in flight at a time
+            pending["durable"]()
+        pending["staging"], pending["durable"] = c.save(tr.state(), step)
+        stalls.append(time.perf_counter() - t)
+
+    per_step = tr.loop(steps, before_opt=before_opt, after=after)
+    t = time.perf_counter()
+    before_opt()
+    if pending["durable"] is not None:
+        pending["durable"]()
+    c.close()
+    return {"step_s": per_step, "checkpoints": len(stalls), "drain_s": time.perf_counter() - t,
+            "stall_ms_median": 1e3 * statistics.median(stalls) if stalls else 0.0}
+
+
+def bench_train(args: argparse.Namespace) -> dict[str, Any]:
+    tr = Trainer(args.tiny)
+    n = 12 if args.tiny else 60
+    root = os.path.join(args.workdir, "train")
+    state_b = state_bytes(tr.state())
+    out: dict[str, Any] = {"params": tr.params, "state_bytes": state_b, "runs": {}}
+    log(f"train: {tr.params / 1e6:.1f}M params, {state_b / GiB:.2f} GiB of state")
+    tr.loop(3 if args.tiny else 10)  # warm-up: kernels, allocator, AdamW state
+    # Most telling first: a run that would start after the time budget is skipped (the end baseline never).
+    runs: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+        ("baseline", lambda: {"step_s": tr.loop(n), "checkpoints": 0}),
+        ("ours_every_10", lambda: train_ours(tr, root, n, EveryNSteps(2 if args.tiny else 10))),
+        ("dcp_async_every_10", lambda: train_dcp(tr, root, n, 2 if args.tiny else 10, pinned=None)),
+    ]
+    if CUDA:
+        runs.append(("dcp_async_pinned_cached_every_10", lambda: train_dcp(tr, root, n, 10, pinned="cached")))
+        runs.append(("dcp_async_pinned_every_10", lambda: train_dcp(tr, root, n, 10, pinned="fresh")))
+    runs += [
+        ("ours_budget_3.5%", lambda: train_ours(tr, root, 2 * n if args.tiny else 120,
+                                                CheckpointConfig(path=root, overhead_budget=0.035).policy())),
+        ("ours_every_1", lambda: train_ours(tr, root, max(4, n // 3), EveryNSteps(1))),
+        ("baseline_end", lambda: {"step_s": tr.loop(n), "checkpoints": 0}),
+    ]
+    for name, fn in runs:
+        if args.only and name not in args.only and not name.startswith("baseline"):
+            continue
+        if time.perf_counter() - T0 > args.budget_s and name != "baseline_end":
+            out["runs"][name] = {"skipped": "time budget"}
+            continue
+        shutil.rmtree(root, ignore_errors=True)
+        try:
+            out["runs"][name] = fn()
+        except Exception as e:  # noqa: BLE001
+            out["runs"][name] = {"error": f"{type(e).__name__}: {e}", "where": traceback.format_exc(limit=-4)}
+        shutil.rmtree(root, ignore_errors=True)
+        free_memory()
+        log(f"  {name}: {out['runs'][name]}")
+    base = [out["runs"][k]["step_s"] for k in ("baseline", "baseline_end") if "step_s" in out["runs"][k]]
+    out["baseline_step_s"] = statistics.fmean(base)
+    for r in out["runs"].values():
+        if "step_s" in r:
+            r["overhead"] = r["step_s"] / out["baseline_step_s"] - 1
+    del tr
+    free_memory()
+    return out
+
+
+# ---- report -------------------------------------------------------------------------------------------
+def _f(v: Any, scale: float = 1.0, fmt: str = ".3g") -> str:
+    return "-" if not isinstance(v, (int, float)) or v != v else format(v * scale, fmt)
+
+
+def markdown(res: dict[str, Any]) -> str:
+    m = res["meta"]
+    lines = [f"Device: {m['device']}; torch {m['torch']}; {m['date']}; workdir {m['workdir']} ({m['fstype']})", "",
+             "| size | contender | stall ms | stall − encode ms | mutable ms | GPU delay, next fwd/bwd ms "
+             "| delay ÷ D2H | GPU delay, next optimizer step ms | durable s | persist GB/s | persist ÷ raw |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key, s in res["sizes"].items():
+        size = label(float(key))
+        if "skipped" in s or "limits" not in s:
+            lines.append(f"| {size} | skipped: {s.get('skipped', 'unfinished')} ||||||||||")
+            continue
+        lim = s["limits"]
+        lines.append(f"| {size} | limit: D2H `copy_` into pinned {_f(lim['d2h_s'], 1e3)} ms "
+                     f"({_f(lim['d2h_gbps'])} GB/s); raw write of it | | | | | | | "
+                     f"{_f(lim['raw_write_s'])} | {_f(lim['raw_write_gbps'])} | 1 |")
+        for name, r in s["contenders"].items():
+            if "stall_s" not in r:
+                lines.append(f"| {size} | {name}: {r.get('error') or r.get('skipped')} ||||||||||")
+                continue
+            lines.append(
+                f"| {size} | {name} | {_f(r['stall_s'], 1e3)} | {_f(r['stall_s'] - s['encode_s'], 1e3)} "
+                f"| {_f(r['mutable_s'], 1e3)} | {_f(r['gpu_delay_s'], 1e3)} | {_f(r['gpu_delay_s'] / lim['d2h_s'])} "
+                f"| {_f(r['gpu_delay_to_mutable_s'], 1e3)} "
+                f"| {_f(r['durable_s'])} | {_f(r['persist_gbps'])} | {_f(r['persist_gbps'] / lim['raw_write_gbps'])} |")
+    t = res.get("train")
+    if t:
+        lines += ["", f"Training: GPT-2-small-sized model, {t['params'] / 1e6:.1f}M parameters, "
+                  f"{t['state_bytes'] / GiB:.2f} GiB checkpointed per save; baseline {_f(t['baseline_step_s'], 1e3)} "
+                  "ms/step", "", "| run | checkpoints | ms/step | overhead | median stall ms | notes |",
+                  "|---|---|---|---|---|---|"]
+        for name, r in t["runs"].items():
+            if "step_s" not in r:
+                lines.append(f"| {name} | {r.get('error') or r.get('skipped')} |||||")
+                continue
+            notes = ", ".join(f"{k}={_f(v)}" for k, v in r.items()
+                              if k in ("waited_s", "skipped", "drain_s")) + _figs(r.get("figures"))
+            lines.append(f"| {name} | {r['checkpoints']} | {_f(r['step_s'], 1e3)} | {_f(r['overhead'], 100, '.1f')} % "
+                         f"| {_f(r.get('stall_ms_median'))} | {notes} |")
+    return "\n".join(lines) + "\n"
+
+
+def _figs(figs: Any) -> str:
+    if not figs:
+        return ""
+    return ", " + ", ".join(f"{k}={_f(v)}" for k, v in figs.items() if k in ("interval_steps", "measured_overhead"))
+
+
+def pick_workdir(explicit: str | None) -> tuple[str, str]:
+    """A directory on a real disk (not tmpfs: its writes would be memcpy), with the most free space."""
+    mounts = []
+    with open("/proc/mounts") as f:
+        for line in f:
+            parts = line.split()
+            mounts.append((parts[1], parts[2]))
+
+    def fstype(path: str) -> str:
+        path = os.path.realpath(path)
+        best = max((m for m in mounts if path == m[0] or path.startswith(m[0].rstrip("/") + "/")),
+                   key=lambda m: len(m[0]), default=("/", "?"))
+        return best[1]
+
+    if explicit:
+        os.makedirs(explicit, exist_ok=True)
+        return explicit, fstype(explicit)
+    cands = [d for d in ("/var/tmp", "/tmp", os.getcwd()) if os.path.isdir(d)]
+    disk = [d for d in cands if fstype(d) not in ("tmpfs", "ramfs", "overlay")] or cands
+    best = max(disk, key=lambda d: shutil.disk_usage(d).free)
+    path = os.path.join(best, "bench_gpu_work")
+    os.makedirs(path, exist_ok=True)
+    return path, fstype(path)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes-gib", type=float, nargs="+", default=[1, 4, 16])
+    p.add_argument("--tiny", action="store_true", help="a few MiB and a 2-layer model (CPU without CUDA)")
+    p.add_argument("--no-train", action="store_true")
+    p.add_argument("--workdir", help="checkpoint directory on a local disk (default: picked, not tmpfs)")
+    p.add_argument("--out", default=os.path.join(HERE, "out"))
+    p.add_argument("--budget-s", type=float, default=480, help="skip remaining contenders after this")
+    p.add_argument("--only", nargs="+", help="only these contenders and training runs (no limits; for a re-run)")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.sizes_gib = [4 / 1024]
+    args.workdir, fstype = pick_workdir(args.workdir)
+    os.makedirs(args.out, exist_ok=True)
+    res: dict[str, Any] = {"meta": {
+        "device": torch.cuda.get_device_name() if CUDA else "cpu", "torch": torch.__version__,
+        "cuda": torch.version.cuda, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "workdir": args.workdir, "fstype": fstype, "disk_free_gib": shutil.disk_usage(args.workdir).free / GiB,
+        "cpus": os.cpu_count(), "tiny": args.tiny, "argv": sys.argv[1:]}, "sizes": {}}
+    log(f"{res['meta']}")
+    probe = GpuProbe(args.tiny)
+    res["meta"].update(workload_s=probe.workload_s, spin_plus_workload_s=probe.base_s)
+
+    def dump() -> None:
+        with open(os.path.join(args.out, "bench_gpu.json"), "w") as f:
+            json.dump(res, f, indent=1, default=str)
+        with open(os.path.join(args.out, "bench_gpu.md"), "w") as f:
+            f.write(markdown(res))
+
+    # The largest sizes last: if the time budget runs out, they are what is lost.
+    for size in [s for s in args.sizes_gib if s <= 4]:
+        bench_size(size, args, probe, res["sizes"].setdefault(f"{size:g}", {}), dump)
+    if not args.no_train:
+        res["train"] = bench_train(args)
+        dump()
+    for size in [s for s in args.sizes_gib if s > 4]:
+        bench_size(size, args, probe, res["sizes"].setdefault(f"{size:g}", {}), dump)
+    res["meta"]["total_s"] = time.perf_counter() - T0
+    dump()
+    shutil.rmtree(args.workdir, ignore_errors=True) if args.workdir.endswith("bench_gpu_work") else None
+    print(markdown(res), flush=True)
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Doubles for testing code that uses the engine: several ranks in one process.
+
+Public so that users can test their own failure handling the way this project's tests do, without
+``torch.distributed``. Both communicators follow the :class:`~ckpt_engine.comm.Comm` protocol and
+pass values through JSON, as the real ones do, so a value that would not cross a real communicator
+fails here too.
+
+* :class:`SequentialComm` — ranks driven one after the other by one thread (rank 0 first): a
+  broadcast is recorded by the source and read by the others. Enough for the save path
+  (``Checkpointer`` construction and ``save()`` broadcast only), not for ``all_gather``.
+* :class:`ThreadComm` with :func:`run_ranks` — each rank on a thread of its own, with real
+  rendezvous: every collective works (``restore()``, ``agree``), in the same order on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
+
+
+class _Board:
+    value: Any = None
+
+
+class SequentialComm:
+    """One rank of ``world_size`` simulated in one thread; make rank 0's calls first (see module)."""
+
+    def __init__(self, rank: int, world_size: int, board: _Board | None = None) -> None:
+        self.rank, self.world_size = rank, world_size
+        self._board = board if board is not None else _Board()
+
+    @classmethod
+    def group(cls, world_size: int) -> list["SequentialComm"]:
+        """The communicators of ranks ``0..world_size-1``, sharing one broadcast board."""
+        board = _Board()
+        return [cls(r, world_size, board) for r in range(world_size)]
+
+    def broadcast(self, value: Any, src: int = 0) -> Any:
+        if self.rank == src:
+            self._board.value = json.dumps(value)
+        return json.loads(self._board.value)
+
+    def all_gather(self, value: Any) -> list[Any]:
+        raise AssertionError("SequentialComm has no all_gather: run the ranks on threads (run_ranks)")
+
+
+class ThreadComm:
+    """One rank of a group whose ranks run on threads of this process (see :func:`run_ranks`)."""
+
+    def __init__(self, rank: int, slots: list[Any], barrier: threading.Barrier) -> None:
+        self.rank, self.world_size, self._slots, self._barrier = rank, len(slots), slots, barrier
+
+    def all_gather(self, value: Any) -> list[Any]:
+        self._slots[self.rank] = json.dumps(value)
+        self._barrier.wait()
+        out = [json.loads(s) for s in self._slots]
+        self._barrier.wait()
+        return out
+
+    def broadcast(self, value: Any, src: int = 0) -> Any:
+        return self.all_gather(value if self.rank == src else None)[src]
+
+
+def run_ranks(world_size: int, fn: Callable[[ThreadComm], T], timeout: float = 120.0) -> list[T | BaseException]:
+    """``fn(comm)`` on ``world_size`` threads, one per rank; their results, or the exception each
+    raised, by rank. A collective that some rank never reaches breaks the barrier after ``timeout``
+    seconds (``threading.BrokenBarrierError`` on the others) instead of hanging the test."""
+    slots: list[Any] = [None] * world_size
+    barrier = threading.Barrier(world_size, timeout=timeout)
+    out: list[Any] = [None] * world_size
+
+    def run(rank: int) -> None:
+        try:
+            out[rank] = fn(ThreadComm(rank, slots, barrier))
+        except BaseException as e:  # noqa: BLE001 - handed back to the caller
+            out[rank] = e
+
+    threads = [threading.Thread(target=run, args=(r,), name=f"rank-{r}") for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout * 2)
+    return out
