@@ -84,16 +84,7 @@ class TorchDistComm:
         return _decode(payload)
 
     def all_gather(self, value: Any) -> list[Any]:
-        payload = _encode(value).to(self._device)
-        size = torch.tensor([payload.numel()], dtype=torch.int64, device=self._device)
-        sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
-        self._dist.all_gather(sizes, size, group=self._group)
-        longest = int(max(s.item() for s in sizes))
-        padded = torch.zeros(longest, dtype=torch.uint8, device=self._device)
-        padded[: payload.numel()] = payload
-        out = [torch.empty_like(padded) for _ in range(self.world_size)]
-        self._dist.all_gather(out, padded, group=self._group)
-        return [_decode(o[: int(s.item())]) for o, s in zip(out, sizes)]
+        return [_decode(payload) for payload in self.all_gather_tensor(_encode(value))]
 
     def all_gather_tensor(self, data: torch.Tensor) -> list[torch.Tensor]:
         """Every rank returns all ranks' 1-D uint8 CPU tensors (of any lengths), by rank.
@@ -105,7 +96,7 @@ class TorchDistComm:
         self._dist.all_gather(sizes, size, group=self._group)
         longest = int(max(s.item() for s in sizes))
         padded = torch.zeros(longest, dtype=torch.uint8, device=self._device)
-        padded[: data.numel()] = data
+        padded[: data.numel()] = data.to(self._device)
         out = [torch.empty_like(padded) for _ in range(self.world_size)]
         self._dist.all_gather(out, padded, group=self._group)
         return [o[: int(s.item())].cpu() for o, s in zip(out, sizes)]

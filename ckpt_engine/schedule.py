@@ -33,7 +33,6 @@ class Schedule:
         self._saved_last = False
         self._busy_seen = False
         self._pending: list[SaveRecord] = []
-        self.interval_started_at: float | None = None
 
     def should_save(self, step: int) -> bool:
         """Call after every optimizer step on every rank: whether to checkpoint now."""
@@ -45,7 +44,6 @@ class Schedule:
         self._last, self._saved_last, self._busy_seen = now, False, busy
         if self.due is None:
             self.due = self._agree(lambda: self.policy.first_due(step))
-            self.interval_started_at = now
         return step >= self.due
 
     def saved(self, step: int) -> None:
@@ -55,7 +53,6 @@ class Schedule:
         if self.ck.records and self.ck.records[-1].step == step:
             self._pending.append(self.ck.records[-1])
         self.due = self._agree(lambda: self.policy.next_due(step))
-        self.interval_started_at = self.clock()
 
     def restart_clock(self) -> None:
         """Forget the running iteration timer (after validation, a pause, a restore)."""

@@ -1,22 +1,36 @@
-"""Doubles for testing code that uses the engine: several ranks in one process.
+"""Doubles for testing code that uses the engine: several ranks in one process, storage that fails.
 
 Public so that users can test their own failure handling the way this project's tests do, without
-``torch.distributed``. Both communicators follow the :class:`~ckpt_engine.comm.Comm` protocol and
-pass values through JSON, as the real ones do, so a value that would not cross a real communicator
-fails here too.
+``torch.distributed`` or a broken disk.
+
+Communicators follow the :class:`~ckpt_engine.comm.Comm` protocol and pass values through JSON, as
+the real ones do, so a value that would not cross a real communicator fails here too:
 
 * :class:`SequentialComm` — ranks driven one after the other by one thread (rank 0 first): a
   broadcast is recorded by the source and read by the others. Enough for the save path
   (``Checkpointer`` construction and ``save()`` broadcast only), not for ``all_gather``.
 * :class:`ThreadComm` with :func:`run_ranks` — each rank on a thread of its own, with real
   rendezvous: every collective works (``restore()``, ``agree``), in the same order on every rank.
+
+Storages are the real :class:`~ckpt_engine.storage.Storage` (any fsspec URL) with one fault
+injected into the writes of data files, inside the real write path:
+
+* :class:`FailingStorage` — a write of a file whose name contains ``fail_on`` breaks after half of
+  its bytes with ``ENOSPC`` (a disk that fills up, a connection that drops mid-write);
+* :class:`SlowStorage` — each data-file write first sleeps ``delay`` seconds (a slow disk or remote
+  level), counting concurrent writers;
+* :class:`GatedStorage` — each data-file write waits until ``gate`` is set (a level that hangs).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import threading
-from typing import Any, Callable, TypeVar
+import time
+from typing import Any, Callable, Iterable, TypeVar
+
+from .storage import Storage
 
 T = TypeVar("T")
 
@@ -84,3 +98,62 @@ def run_ranks(world_size: int, fn: Callable[[ThreadComm], T], timeout: float = 1
     for t in threads:
         t.join(timeout * 2)
     return out
+
+
+class FailingStorage(Storage):
+    """The real storage; writing a file whose name contains ``fail_on`` breaks halfway (ENOSPC)."""
+
+    fail_on: str | None = None
+
+    def write_stream(self, rel: str, chunks: Any, **kw: Any) -> int:
+        if self.fail_on and self.fail_on in rel:
+            return super().write_stream(rel, _break_halfway(chunks), **kw)
+        return super().write_stream(rel, chunks, **kw)
+
+
+def _break_halfway(chunks: Iterable[Any]) -> Iterable[bytes]:
+    """Yield the first half of the bytes, then fail as the device would, inside the real write."""
+    data = b"".join(bytes(c) for c in chunks)
+    yield data[: len(data) // 2]
+    raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+
+class SlowStorage(Storage):
+    """The real storage, sleeping ``delay`` seconds before each data-file (``.bin``) write;
+    ``active``/``max_active`` count the writers at once."""
+
+    delay = 0.05
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.active = 0
+        self.max_active = 0
+        self._lock = threading.Lock()
+
+    def write_stream(self, rel: str, chunks: Any, **kw: Any) -> int:
+        if rel.endswith(".bin") and self.delay:
+            with self._lock:
+                self.active += 1
+                self.max_active = max(self.max_active, self.active)
+            try:
+                time.sleep(self.delay)
+            finally:
+                with self._lock:
+                    self.active -= 1
+        return super().write_stream(rel, chunks, **kw)
+
+
+class GatedStorage(Storage):
+    """The real storage; data-file (``.bin``) writes wait until ``gate`` is set. ``blocked`` is set
+    once a write waits at the gate (so a test knows, without sleeping, that the writer is held)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Event()
+        self.blocked = threading.Event()
+
+    def write_stream(self, rel: str, chunks: Any, **kw: Any) -> int:
+        if rel.endswith(".bin"):
+            self.blocked.set()
+            self.gate.wait()
+        return super().write_stream(rel, chunks, **kw)

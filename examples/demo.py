@@ -487,7 +487,7 @@ def lightning_main(argv: list[str]) -> int:
                                 "--plain runs the plain-PyTorch one")
     p.add_argument("--steps", type=int, default=60, help="optimizer steps (--trainer.max_steps)")
     # 37: mid-epoch (the epoch is 20 batches), 7 steps after the step-30 checkpoint, so that one has
-    # committed even on a busy machine; see the note printed when a resume lands on an epoch end.
+    # committed even on a busy machine.
     p.add_argument("--kill-at", type=int, default=37, help="SIGKILL the job right after this step in run (b)")
     p.add_argument("--workdir", default=None, help="where to put the runs (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the work directory afterwards")
@@ -544,12 +544,9 @@ def lightning_main(argv: list[str]) -> int:
         print(f"(c) RESUMED FROM STEP {fc['resumed_from']} (crash was right after step {args.kill_at}: "
               f"{redone} step(s) redone), finished at step {fc['global_step']} in {res.wall_s:.1f} s wall")
         per_epoch = fc.get("batches_per_epoch") or 0
-        epoch_end = bool(per_epoch) and fc["resumed_from"] % per_epoch == 0
-        if epoch_end:
-            print(f"NOTE: step {fc['resumed_from']} is the last batch of an epoch. Resuming from such a checkpoint is "
-                  f"known not to be bitwise: the\n      uninterrupted run draws the next epoch's DataLoader base seed "
-                  f"from the torch RNG after that checkpoint's RNG\n      capture; the resumed run draws it before "
-                  f"the RNG is restored, so the dropout stream is one draw behind.")
+        if per_epoch and fc["resumed_from"] % per_epoch == 0:
+            print(f"(step {fc['resumed_from']} ends an epoch: that checkpoint was taken after the epoch's end had run, "
+                  f"at the next epoch's start, so the resume neither skips nor repeats it)")
 
         banner(f"figures: {os.path.join('<a>', CKPT_DIR, 'figures.jsonl')} of run (a) (each rank writes its own "
                f"slice of every tensor;\n         rank 0 records its own figures)")

@@ -26,7 +26,6 @@ workers (their seeds derive from a draw at ``iter()`` time) and a restore on a d
 from __future__ import annotations
 
 import os
-import time
 import warnings
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
@@ -107,7 +106,6 @@ class AsyncShardedCheckpoint(*_lightning.bases("callbacks.Callback")):  # type: 
         self._last_global_step = -1
         self._last_saved_step: int | None = None
         self._figures: FigureReporter | None = None  # rank 0's unreported saves and flushes
-        self._interval_start = time.perf_counter()
         self._stop: SignalAgreement | None = None  # SIGTERM under several ranks (see _preempt)
         self._comm: Any = None
         self._quiet: Any = None  # the filter silencing Lightning's "not resumable" warning while resuming

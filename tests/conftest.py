@@ -1,62 +1,17 @@
-"""Shared fixtures: storages that fail or stall on purpose (subclasses of the real one)."""
+"""Shared fixtures: the deterministic hypothesis profile, the S3 (moto) and Azure (azurite) servers on
+loopback. Storages that fail or stall on purpose live in ``ckpt_engine.testing``."""
 
 from __future__ import annotations
 
-import threading
-import time
 import uuid
 
 import pytest
 from hypothesis import settings
 
-from ckpt_engine.storage import Storage
 
 # Deterministic property tests: the same examples on every run and machine, no example database.
 settings.register_profile("deterministic", derandomize=True, database=None, deadline=None)
 settings.load_profile("deterministic")
-
-
-class FailingStorage(Storage):
-    """The real storage, except that writing a file whose name contains ``fail_on`` breaks
-    after half of its bytes (a disk that fills up or a connection that drops mid-write)."""
-
-    fail_on: str | None = None
-
-    def write_stream(self, rel, chunks, **kw):
-        if self.fail_on and self.fail_on in rel:
-            return super().write_stream(rel, _break_halfway(chunks), **kw)
-        return super().write_stream(rel, chunks, **kw)
-
-
-def _break_halfway(chunks):
-    """Yield the first half of the bytes, then fail as the device would, inside the real write."""
-    data = b"".join(bytes(c) for c in chunks)
-    yield data[: len(data) // 2]
-    raise OSError(28, "No space left on device (injected)")
-
-
-class SlowStorage(Storage):
-    """The real storage with a delay before every data-file write; counts concurrent writers."""
-
-    delay = 0.05
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.active = 0
-        self.max_active = 0
-        self._lock = threading.Lock()
-
-    def write_stream(self, rel, chunks, **kw):
-        if rel.endswith(".bin"):
-            with self._lock:
-                self.active += 1
-                self.max_active = max(self.max_active, self.active)
-            try:
-                time.sleep(self.delay)
-            finally:
-                with self._lock:
-                    self.active -= 1
-        return super().write_stream(rel, chunks, **kw)
 
 
 @pytest.fixture(scope="session")

@@ -125,12 +125,10 @@ def main() -> None:
         import threading
         import time
 
-        from ckpt_engine.storage import Storage
+        from ckpt_engine.testing import SlowStorage
 
-        class Slow(Storage):
-            def write_stream(self, rel, chunks, **kw):
-                time.sleep(0.003)
-                return super().write_stream(rel, chunks, **kw)
+        class Slow(SlowStorage):
+            delay = 0.003
 
         ck.close()
         ck = Checkpointer(Slow(root), comm=TorchDistComm(), keep_last=2, on_busy=os.environ.get("ON_BUSY", "skip"))

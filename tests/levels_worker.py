@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -28,28 +27,24 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ckpt_engine import Checkpointer, TorchDistComm  # noqa: E402
 from ckpt_engine.catalog import manifest_dirs  # noqa: E402
 from ckpt_engine.storage import Storage  # noqa: E402
+from ckpt_engine.testing import SlowStorage  # noqa: E402
 from dist_worker import digest, make_local, make_state  # noqa: E402
 
 
-class SlowStorage(Storage):
-    """The real storage, sleeping ``SLOW_L2`` seconds before each data-file write (a slow remote level)."""
+class SlowL2(SlowStorage):
+    """A slow remote level: ``SLOW_L2`` seconds before each data-file write."""
 
     delay = float(os.environ.get("SLOW_L2", "0"))
-
-    def write_stream(self, rel, chunks, **kw):
-        if rel.endswith(".bin") and self.delay:
-            time.sleep(self.delay)
-        return super().write_stream(rel, chunks, **kw)
 
 
 def levels(l1: str, l2: str, rank: int) -> list:
     out: list = [{"path": l1.format(rank=rank), "keep_last": int(os.environ.get("KEEP_L1", "2"))}]
     if l2 != "-":
-        out.append({"path": SlowStorage(l2), "keep_last": int(os.environ.get("KEEP_L2", "3"))})
+        out.append({"path": SlowL2(l2), "keep_last": int(os.environ.get("KEEP_L2", "3"))})
     return out
 
 
-def newest(storage: Storage) -> int | None:
+def newest(storage: "Storage") -> int | None:
     found = manifest_dirs(storage)
     return found[-1][0] if found else None
 

@@ -18,7 +18,7 @@ from ckpt_engine.catalog import attempt_dirs, manifest_dirs
 from dist_worker import digest, make_state
 from test_distributed import start_ranks
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # processes killed at random instants
 KILLS = 20
 
 

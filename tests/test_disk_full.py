@@ -19,7 +19,7 @@ import torch
 from ckpt_engine import Checkpointer, CheckpointWarning, DiskFullError
 from ckpt_engine.storage import Storage
 from ckpt_engine.testing import SequentialComm
-from conftest import FailingStorage
+from ckpt_engine.testing import FailingStorage
 
 
 def state(v: float, rows: int = 300) -> dict:

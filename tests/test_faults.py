@@ -14,7 +14,7 @@ from ckpt_engine import Checkpointer, CheckpointError, CorruptionError
 from ckpt_engine.catalog import manifest_dirs
 from ckpt_engine.errors import FormatError
 from ckpt_engine.storage import Storage
-from conftest import FailingStorage
+from ckpt_engine.testing import FailingStorage
 
 
 def state(v: float) -> dict:

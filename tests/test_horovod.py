@@ -34,7 +34,12 @@ except ImportError:
 
 needs_horovod = pytest.mark.skipif(not HAVE_HOROVOD,
                                    reason="horovod is not installed (bash scripts/install_horovod.sh)")
-job = pytest.mark.integration
+
+
+def job(test):
+    """A test that runs real ``horovodrun`` jobs: integration, and slow (leave out with ``-m "not slow"``)."""
+    return pytest.mark.slow(pytest.mark.integration(test))
+
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "horovod_train.py"

@@ -13,7 +13,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -28,7 +27,7 @@ from ckpt_engine.manifest import MANIFEST_NAME, data_file, index_file
 from ckpt_engine.restore import open_checkpoint, verify
 from ckpt_engine.restore_levels import Candidate, candidates
 from ckpt_engine.storage import Storage
-from conftest import FailingStorage, SlowStorage
+from ckpt_engine.testing import FailingStorage, GatedStorage, SlowStorage
 from dist_worker import digest, make_local, make_state
 from helpers import assert_same
 from test_crash import kill_job, lines_of, next_line
@@ -38,19 +37,6 @@ from test_distributed import free_port
 def state(step: int) -> dict:
     g = torch.Generator().manual_seed(step)
     return {"w": torch.randn(300, 200, generator=g), "b": torch.randn(7, generator=g).bfloat16(), "step": step}
-
-
-class GatedStorage(Storage):
-    """The real storage; data-file writes wait until ``gate`` is set (a level 2 that hangs)."""
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.gate = threading.Event()
-
-    def write_stream(self, rel, chunks, **kw):
-        if rel.endswith(".bin"):
-            self.gate.wait()
-        return super().write_stream(rel, chunks, **kw)
 
 
 def flip(path, pos: int = 100) -> None:
@@ -164,6 +150,8 @@ def test_level1_retention_keeps_the_checkpoint_level2_still_lacks(tmp_path):
     for step in range(1, 5):
         ck.save(state(step), step)
         ck.wait(retention=True)
+        if step == 1:  # the flusher holds step 1 at the gate before step 2 exists (no race with it)
+            assert gated.blocked.wait(60)
     l1 = Storage(str(tmp_path / "l1"))
     assert [s for s, _ in manifest_dirs(l1)] == [1, 4]  # 1: being copied; 4: the newest
     gated.gate.set()

@@ -15,7 +15,7 @@ from ckpt_engine import Checkpointer
 from ckpt_engine.catalog import committed
 from helpers import flip_local, proc_stat
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # real training jobs, killed and resumed
 WORKER = os.path.join(os.path.dirname(__file__), "lightning_worker.py")
 FLAVOURS = ("lightning", "pytorch_lightning")
 

@@ -44,8 +44,8 @@ def test_adaptive_policy_on_a_real_loop_checkpoints_repeatedly_and_reports(tmp_p
     with Checkpointer(str(tmp_path), keep_last=2) as ck:
         saved = train(ck, policy, 200, width=512)
         assert len(saved) >= 3
-        intervals = [b - a for a, b in zip(saved, saved[1:])]
-        assert all(i >= 1 for i in intervals)
+        ck.wait()
+        assert [r.step for r in ck.records] == saved  # the checkpointer took exactly the saves the schedule decided
         f = policy.figures()
         assert f["interval_steps"] >= 1 and f["iteration_s"] > 0 and not math.isnan(f["checkpoint_cost_s"])
         assert f["expected_lost_work_s"] > 0

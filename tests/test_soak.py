@@ -8,7 +8,7 @@ import pytest
 
 from test_distributed import run_ranks
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # thousands of checkpoints
 
 
 @pytest.mark.parametrize("on_busy", ["skip", "wait"])
