@@ -26,6 +26,7 @@ workers (their seeds derive from a draw at ``iter()`` time) and a restore on a d
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
@@ -190,7 +191,8 @@ class AsyncShardedCheckpoint(*_lightning.bases("callbacks.Callback")):  # type: 
             self._apply_data_position(sampler)
         if self._trainer is not None:
             self._quiet = _lightning.silence_not_resumable()  # this callback resumes the data position
-            newer = _resume.newer_files(_trainer_api.lightning_checkpoint_dirs(self._trainer), manifest.created_at)
+            taken = mine["data"].get("taken_at", manifest.created_at)  # wall time of the snapshot, not of the commit
+            newer = _resume.newer_files(_trainer_api.lightning_checkpoint_dirs(self._trainer), taken)
             if newer:
                 _lightning.notice(self._trainer, f"AsyncShardedCheckpoint: resumed from step {self.resumed_from}; "
                                   f"Lightning checkpoints written after it by the interrupted run stay in place: "
@@ -380,6 +382,7 @@ class AsyncShardedCheckpoint(*_lightning.bases("callbacks.Callback")):  # type: 
                  "buffers": {k: v.detach().clone() for k, v in weights.items() if k in buffers},
                  "rng": rng_state(),
                  "data": {"epoch": trainer.current_epoch if epoch is None else epoch, "consumed_batches": consumed,
+                          "taken_at": time.time(),
                           "batch_size": getattr(self, "_batch_size", 1),
                           "epoch_rng": sampler.epoch_rng if sampler is not None else None,
                           "epoch_generators": sampler.epoch_generators if sampler is not None else []}}
