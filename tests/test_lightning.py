@@ -326,22 +326,24 @@ def test_ckpt_path_last_restores_exactly_one_checkpoint_the_newer(tmp_path):
     (step 21, newer) is restored and ours (step 20) is named, not half-restored beside it."""
     ck = tmp_path / "ck"
     run(tmp_path, ck, "--lightning-last", "7", "--kill-at", "23", "--tag", "killed", expect_rc=None)
-    assert Checkpointer(str(ck)).latest_step() == 20
+    ours = Checkpointer(str(ck)).latest_step()
+    assert ours in (15, 20)  # 20 unless its commit had not landed when the job was killed
     assert torch.load(tmp_path / "mc" / "last.ckpt", weights_only=False)["global_step"] == 21
     proc = run(tmp_path, ck, "--lightning-last", "7", "--ckpt-path", "last", "--tag", "last")
     info = json.load(open(tmp_path / "resumed-last.json"))
     assert info == {"resumed_from": None, "global_step": 40, "restores": 0}
     log = proc.stdout + proc.stderr
-    assert "not restoring this callback's newest checkpoint (step 20" in log, log[-3000:]
+    assert f"not restoring this callback's newest checkpoint (step {ours}" in log, log[-3000:]
 
 
 def test_ckpt_path_last_older_than_ours_restores_ours_bitwise(uninterrupted, tmp_path):
     ck = tmp_path / "ck"
-    run(tmp_path, ck, "--lightning-last", "8", "--kill-at", "23", "--tag", "killed", expect_rc=None)
-    assert Checkpointer(str(ck)).latest_step() == 20  # Lightning's last.ckpt is at step 16
-    proc = run(tmp_path, ck, "--lightning-last", "8", "--ckpt-path", "last", "--tag", "last")
+    run(tmp_path, ck, "--lightning-last", "13", "--kill-at", "23", "--tag", "killed", expect_rc=None)
+    ours = Checkpointer(str(ck)).latest_step()
+    assert ours in (15, 20)  # Lightning's last.ckpt is at step 13
+    proc = run(tmp_path, ck, "--lightning-last", "13", "--ckpt-path", "last", "--tag", "last")
     info = json.load(open(tmp_path / "resumed-last.json"))
-    assert info == {"resumed_from": 20, "global_step": 40, "restores": 1}
+    assert info == {"resumed_from": ours, "global_step": 40, "restores": 1}
     log = proc.stdout + proc.stderr
     assert "is restored instead" in log and "last.ckpt is not used" in log, log[-3000:]
     assert "dataloader is not resumable" not in log  # the callback resumes the data position
@@ -361,7 +363,7 @@ def test_resume_names_the_dead_runs_newer_lightning_checkpoints(tmp_path):
     ck = tmp_path / "ck"
     run(tmp_path, ck, "--lightning-last", "7", "--kill-at", "23", "--tag", "killed", expect_rc=None)
     proc = run(tmp_path, ck, "--lightning-last", "7", "--max-steps", "24", "--tag", "auto")
-    assert json.load(open(tmp_path / "resumed-auto.json"))["resumed_from"] == 20
+    assert json.load(open(tmp_path / "resumed-auto.json"))["resumed_from"] in (15, 20)  # last.ckpt: step 21
     log = proc.stdout + proc.stderr
     assert "written after it by the interrupted run stay in place" in log and "last.ckpt" in log, log[-3000:]
 
@@ -386,11 +388,12 @@ def test_epoch_schedulers_and_validation_across_a_resume_are_bitwise(tmp_path, s
     flags = ["--val", "--scheduler", scheduler]
     ref = tmp_path / "ref"
     run(ref, ref / "ck", *flags, "--tag", "ref")
-    for every, kill_at, restored in ((5, 23, 20), (8, 19, 16)):
+    for every, kill_at, expected in ((5, 23, (15, 20)), (8, 22, (16,))):  # mid-epoch; an epoch boundary
         out = tmp_path / f"every{every}"
         ck = out / "ck"
         run(out, ck, *flags, "--every", str(every), "--kill-at", str(kill_at), "--tag", "killed", expect_rc=None)
-        assert Checkpointer(str(ck)).latest_step() == restored
+        restored = Checkpointer(str(ck)).latest_step()
+        assert restored in expected
         run(out, ck, *flags, "--every", str(every), "--tag", "resumed")
         assert json.load(open(out / "resumed-resumed.json"))["resumed_from"] == restored
         a, b = final(ref, "ref"), final(out, "resumed")
