@@ -434,7 +434,7 @@ def bench_size(size: float, args: argparse.Namespace, probe: GpuProbe, out: dict
         enc_times.append(time.perf_counter() - t)
     out["encode_s"] = min(enc_times)
     out["contenders"] = {}
-    if not args.only:
+    if not args.only or "limits" in args.only:
         log(f"{label(size)}: limits")
         out["limits"] = limits(nbytes, args.workdir, max(2, reps), buffered=nbytes <= 4 * GiB)
         log(f"  d2h {out['limits']['d2h_gbps']:.1f} GB/s, raw write {out['limits']['raw_write_gbps']:.2f} GB/s")
@@ -711,7 +711,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--workdir", help="checkpoint directory on a local disk (default: picked, not tmpfs)")
     p.add_argument("--out", default=os.path.join(HERE, "out"))
     p.add_argument("--budget-s", type=float, default=480, help="skip remaining contenders after this")
-    p.add_argument("--only", nargs="+", help="only these contenders and training runs (no limits; for a re-run)")
+    p.add_argument("--only", nargs="+",
+                   help="only these contenders and training runs, and the limits if 'limits' is named (a re-run)")
     args = p.parse_args(argv)
     if args.tiny:
         args.sizes_gib = [4 / 1024]

@@ -39,6 +39,7 @@ from .progress import Bar
 from .progress import wanted as progress_wanted
 from .commit import CommitInputs, retain, sweep, wait_for_commit, write_abort
 from .config import CheckpointConfig, level_specs
+from .cuda_copy import CudaCopy, Origin, capture
 from .errors import CheckpointError, CheckpointWarning, CorruptionError, NoCheckpointError, StorageError
 from .failure import surface
 from .flush import FlushRecord
@@ -50,7 +51,7 @@ from . import restore_agreed
 from .restore import Opened, open_checkpoint, read_local
 from .restore_agreed import Restored, read_for_rank
 from .restore_levels import candidates, load_levels
-from .snapshot import BufferPool, Piece, copy_into, layout
+from .snapshot import BufferPool, CopyPlan, Piece, copy_into, layout, plan_copy
 from .storage import Storage
 from .values import Encoded, dtype_name, encode
 
@@ -69,7 +70,7 @@ class _Layout:
 class SaveHandle:
     """Returned by :meth:`Checkpointer.save`; ``wait_snapshot()`` before mutating the state."""
 
-    def __init__(self, record: SaveRecord, snapshot: "Future[None] | None") -> None:
+    def __init__(self, record: SaveRecord, snapshot: "Future[CudaCopy | None] | None") -> None:
         self.record = record
         self._snapshot = snapshot
 
@@ -78,13 +79,23 @@ class SaveHandle:
         return self.record.step
 
     def snapshot_done(self) -> bool:
-        """Whether the copy finished (always true for a non-deferred save)."""
+        """Whether ``wait_snapshot()`` would not block (always true for a non-deferred save): the
+        CPU copies are done and the CUDA copies queued (they may still run on the device)."""
         return self._snapshot is None or self._snapshot.done()
 
     def wait_snapshot(self) -> None:
-        """Block until the state may be mutated again (re-raises a failed copy)."""
+        """Return when the state may be mutated again (re-raises a failed copy).
+
+        CPU tensors: their copy is done. CUDA tensors: a CUDA tensor is only ever mutated by work
+        queued on a stream, so no host sync is needed: the caller's stream of the ``save()`` call
+        (and the current stream, if another) is made to wait on the copy-done event, and work
+        queued on it afterwards (the optimizer step) cannot overtake the copy. Work on any other
+        stream must be ordered after that one (``wait_stream``) before it writes the state.
+        """
         if self._snapshot is not None:
-            self._snapshot.result()
+            copy = self._snapshot.result()
+            if copy is not None:
+                copy.order()
 
 
 class Checkpointer:
@@ -216,6 +227,13 @@ class Checkpointer:
         it returns at once and the copy runs in the background: call ``wait_snapshot()`` on the
         handle before mutating either. Returns ``None`` when ``on_busy="skip"`` skipped it.
         Every rank must call it for the same steps, in the same order.
+
+        CUDA tensors (cuda_copy.py): the copy is queued on a side stream after an event recorded
+        on the caller's current stream here, so it sees every kernel queued before the call; "may
+        be mutated" means by work queued on that stream afterwards (the stream is made to wait on
+        the copy-done event: by ``save()`` itself, or with ``defer=True`` by ``wait_snapshot()``,
+        so the next forward and backward overlap the copy; a forward that updates BatchNorm
+        statistics in place mutates those: pass a clone); there is no host sync either way.
         """
         self._check_open()
         if self.readonly:
@@ -235,12 +253,13 @@ class Checkpointer:
         record = SaveRecord(step, dirname, lay.nbytes, started_at=start)
         self.counters["saves"] += 1
         self._last_dir = dirname
-        cuda = any(t.is_cuda for t in enc.tensors + lenc.tensors)
-        buf = self._pool.acquire(lay.nbytes, pinned=cuda, block=False)
+        plan = plan_copy(lay.pieces, lay.nbytes, enc.tensors, lenc.tensors)
+        cuda = bool(plan.devices)
+        buf = self._pool.acquire(plan.nbytes, pinned=cuda, block=False)
         if buf is None and self.on_busy == "skip":
             return self._skip(dirname, record)
         if buf is None:
-            buf = self._pool.acquire(lay.nbytes, pinned=cuda, block=True)
+            buf = self._pool.acquire(plan.nbytes, pinned=cuda, block=True)
             self.counters["waited_s"] += time.perf_counter() - start
         inputs = self._commit_inputs(step, attempt, lay, enc)
         if self._multi is not None:
@@ -248,12 +267,15 @@ class Checkpointer:
             inputs = None if self._multi.node_local else inputs  # each rank commits its own files there
         job = PersistJob(dirname, step, self.rank, self.world_size, attempt, buf, lay.nbytes, lay.pieces,
                          lay.local_tensors, lenc.tree, record, commit=inputs)
-        snapshot: Future[None] | None = None
+        origin = capture(plan.devices)  # here, on the caller's thread: its current streams
+        snapshot: Future[CudaCopy | None] | None = None
         if defer:
-            snapshot = self._snapshot_pool().submit(self._copy, job, enc, lenc)
+            snapshot = self._snapshot_pool().submit(self._copy, job, plan, origin)
             job.snapshot = snapshot
         else:
-            self._copy(job, enc, lenc)
+            copy = self._copy(job, plan, origin)
+            if copy is not None:
+                copy.order()
         self._worker.submit(job)
         record.stall_s = time.perf_counter() - start
         self.records.append(record)
@@ -270,7 +292,8 @@ class Checkpointer:
         self._check_open()
         enc, lenc = encode(state, "state"), encode(local, "local")
         lay = self._layout(enc, lenc)
-        self._pool.reserve(lay.nbytes, pinned=any(t.is_cuda for t in enc.tensors + lenc.tensors))
+        plan = plan_copy(lay.pieces, lay.nbytes, enc.tensors, lenc.tensors)  # with the staging areas
+        self._pool.reserve(plan.nbytes, pinned=bool(plan.devices))
 
     def wait(self, *, retention: bool = False, flush: bool = False, timeout: float | None = None) -> None:
         """Block until every pending save is committed (or dropped); re-raise a background error.
@@ -489,10 +512,11 @@ class Checkpointer:
 
         return CommitInputs(step, world, attempt, body)
 
-    def _copy(self, job: PersistJob, enc: Encoded, lenc: Encoded) -> None:
+    def _copy(self, job: PersistJob, plan: CopyPlan, origin: Origin | None) -> CudaCopy | None:
         start = time.perf_counter()
-        copy_into(job.buffer, job.pieces, enc.tensors, lenc.tensors)
+        copy = copy_into(job.buffer, plan, origin)
         job.record.snapshot_s = time.perf_counter() - start
+        return copy
 
     def _skip(self, dirname: str, record: SaveRecord) -> None:
         record.skipped = True

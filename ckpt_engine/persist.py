@@ -69,7 +69,7 @@ class PersistJob:
     local_tensors: tuple[TensorEntry, ...]
     local_tree: Any
     record: SaveRecord
-    snapshot: "Future[None] | None" = None
+    snapshot: "Future[Any] | None" = None
     commit: CommitInputs | None = None
     stats: dict = field(default_factory=dict)
     durable: bool = False

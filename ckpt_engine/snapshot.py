@@ -3,8 +3,8 @@
 This is the only part training waits for, so it does as little as possible: one ``memmove`` per
 slice on CPU (single-threaded and outside the GIL: ranks sharing a machine's cores do not fight
 over torch's intra-op thread pool, and the library never touches ``torch.set_num_threads``), or
-an asynchronous copy into pinned memory on a side CUDA stream that the training stream then
-waits for. The buffer's layout is the rank's data file layout, so persist writes it unchanged.
+an asynchronous copy into pinned memory on a side CUDA stream, ordered by events (cuda_copy.py).
+The buffer's first bytes are the rank's data file layout, so persist writes them unchanged.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Sequence
 
 import torch
 
-from .plan import Slice
-
+from .cuda_copy import CudaCopy, Gather, Origin, queue
 from .manifest import ALIGN
+from .plan import Slice
 
 PAGE = 4096
 """Host buffers start at a multiple of this (the block alignment direct I/O needs)."""
@@ -69,7 +69,8 @@ class HostBuffer:
         self.tensor = raw[skip:skip + max(nbytes, 1)]
         self.pinned = pinned
         self.address = self.tensor.data_ptr()
-        self.event: "torch.cuda.Event | None" = None
+        self.event: CudaCopy | None = None
+        """The CUDA copy into this buffer of the snapshot in it (persist calls ``synchronize()``)."""
 
     @property
     def capacity(self) -> int:
@@ -138,49 +139,55 @@ class BufferPool:
             return len(self._free) == self._count
 
 
-def copy_into(buf: HostBuffer, pieces: Sequence[Piece], state: Sequence[torch.Tensor],
-              local: Sequence[torch.Tensor]) -> None:
-    """Copy every piece of ``state``/``local`` into ``buf``.
+@dataclass(frozen=True)
+class CopyPlan:
+    """What one snapshot copies, and how: made in ``save()`` (and ``reserve()``) from the tensors."""
 
-    On return the CPU pieces are in the buffer; CUDA pieces are queued on a side stream and
-    ``buf.event`` marks their completion (persist waits on it; the current stream waits on it too,
-    so a later in-place update of the weights cannot overtake the copy).
-    """
-    cuda_pieces = []
+    host: tuple[tuple[Piece, torch.Tensor], ...]
+    """CPU pieces: one ``memmove`` each."""
+    direct: tuple[tuple[Piece, torch.Tensor], ...]
+    """Contiguous CUDA pieces: one asynchronous copy each."""
+    gathers: tuple[tuple[Gather, torch.Tensor], ...]
+    """Non-contiguous CUDA pieces: their storage span to a staging area, gathered on the host."""
+    nbytes: int
+    """Host buffer bytes: the data file's, then the staging areas."""
+    devices: tuple[torch.device, ...]
+    """The CUDA devices of the pieces (empty: all on CPU, no pinned memory)."""
+
+
+def plan_copy(pieces: Sequence[Piece], nbytes: int, state: Sequence[torch.Tensor],
+              local: Sequence[torch.Tensor]) -> CopyPlan:
+    """Sort the pieces by how they are copied; staging areas go after the ``nbytes`` of the file."""
+    host, direct, gathers, devices = [], [], [], {}
+    end = _align(nbytes)
     for p in pieces:
         src = (local if p.local else state)[p.tensor]
-        if src.is_cuda:
-            cuda_pieces.append((p, src))
+        if not src.is_cuda:
+            host.append((p, src))
             continue
+        devices[src.device] = None
+        if src.is_contiguous() or p.nbytes == 0:
+            direct.append((p, src))
+        else:
+            g = Gather.plan(p, src, end)
+            gathers.append((g, src))
+            end += _align(g.span_bytes)
+    return CopyPlan(tuple(host), tuple(direct), tuple(gathers), end if gathers else nbytes, tuple(devices))
+
+
+def copy_into(buf: HostBuffer, plan: CopyPlan, origin: Origin | None) -> CudaCopy | None:
+    """Copy every piece of ``plan`` into ``buf``.
+
+    On return the CPU pieces are in the buffer; CUDA pieces are queued on a side stream after
+    ``origin`` (the caller's stream at ``save()``): ``buf.event`` (also returned) orders the
+    training stream after them (``order()``) and lets persist wait for them (``synchronize()``).
+    """
+    for p, src in plan.host:
         flat = _flat(src)
         ctypes.memmove(buf.address + p.offset, flat.data_ptr() + p.start * flat.element_size(), p.nbytes)
-    buf.event = _copy_cuda(buf, cuda_pieces) if cuda_pieces else None
+    buf.event = queue(buf, plan.direct, plan.gathers, origin) if origin is not None else None
+    return buf.event
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return (t if t.is_contiguous() else t.contiguous()).reshape(-1)
-
-
-def _copy_cuda(buf: HostBuffer, pieces: list[tuple[Piece, torch.Tensor]]) -> "torch.cuda.Event":
-    current = torch.cuda.current_stream()
-    side = _side_stream(current.device)
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
-        for p, src in pieces:
-            flat = _flat(src)
-            dst = buf.tensor[p.offset:p.offset + p.nbytes].view(flat.dtype)
-            dst.copy_(flat[p.start:p.stop], non_blocking=True)
-            src.record_stream(side)
-        event = torch.cuda.Event()
-        event.record(side)
-    current.wait_event(event)
-    return event
-
-
-_SIDE_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
-
-
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
-    return _SIDE_STREAMS[device]
