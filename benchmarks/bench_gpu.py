@@ -61,8 +61,8 @@ from _common import fsync_path, gbps, state_bytes, write_fsync  # noqa: E402
 
 from ckpt_engine import Checkpointer  # noqa: E402
 from ckpt_engine.config import CheckpointConfig  # noqa: E402
-from ckpt_engine.policy import EveryNSteps  # noqa: E402
-from ckpt_engine.schedule import Schedule  # noqa: E402
+from ckpt_engine.training.policy import EveryNSteps  # noqa: E402
+from ckpt_engine.training.schedule import Schedule  # noqa: E402
 from ckpt_engine.values import encode  # noqa: E402
 
 GiB, MiB = 1 << 30, 1 << 20

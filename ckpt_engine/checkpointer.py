@@ -31,9 +31,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
-from . import catalog
+from .format import catalog
 from .agree import on_rank0
-from .catalog import dir_name
+from .format.catalog import dir_name
 from .comm import Comm, LocalComm
 from .progress import Bar
 from .progress import wanted as progress_wanted
@@ -42,15 +42,15 @@ from .config import CheckpointConfig, level_specs
 from .cuda_copy import CudaCopy, Origin, capture
 from .errors import CheckpointError, CheckpointWarning, CorruptionError, NoCheckpointError, StorageError
 from .failure import surface
-from .flush import FlushRecord
-from .manifest import Manifest, RankRecord, TensorEntry
-from .multilevel import MultiLevel
+from .levels.flush import FlushRecord
+from .format.manifest import Manifest, RankRecord, TensorEntry
+from .levels.multilevel import MultiLevel
 from .persist import PersistJob, PersistWorker, SaveRecord
 from .plan import Plan, TensorMeta, make_plan
 from . import restore_agreed
 from .restore import Opened, open_checkpoint, read_local
 from .restore_agreed import Restored, read_for_rank
-from .restore_levels import candidates, load_levels
+from .levels.restore import candidates, load_levels
 from .snapshot import BufferPool, CopyPlan, Piece, copy_into, layout, plan_copy
 from .storage import Storage
 from .values import Encoded, dtype_name, encode

@@ -25,9 +25,9 @@ from typing import Callable, Collection
 
 import xxhash
 
-from .catalog import LATEST, attempt_dirs, parse_dir
+from .format.catalog import LATEST, attempt_dirs, parse_dir
 from .errors import CheckpointError, CheckpointWarning, CommitTimeoutError, FormatError
-from .manifest import MANIFEST_NAME, Manifest, RankIndex, RankRecord, check_coverage, index_file
+from .format.manifest import MANIFEST_NAME, Manifest, RankIndex, RankRecord, check_coverage, index_file
 from .storage import Storage
 
 

@@ -25,7 +25,7 @@ from typing import Any, Mapping
 import yaml
 
 from .errors import CheckpointError
-from .policy import Adaptive, EveryNSteps, EverySeconds, MaxInterval, Policy
+from .training.policy import Adaptive, EveryNSteps, EverySeconds, MaxInterval, Policy
 
 
 class ConfigError(CheckpointError, ValueError):

@@ -33,10 +33,10 @@ import os
 import warnings
 from typing import Literal, Sequence, Union
 
-from .catalog import manifest_dirs
+from .format.catalog import manifest_dirs
 from .commit import abort_file, remove_checkpoint
 from .errors import CheckpointError, CheckpointWarning, DiskFullError
-from .manifest import MANIFEST_NAME, data_file, index_file
+from .format.manifest import MANIFEST_NAME, data_file, index_file
 from .storage import Storage
 
 Report = Union[BaseException, CheckpointWarning]

@@ -24,7 +24,7 @@ import xxhash
 from . import failure
 from .commit import Abandoned, CommitInputs, commit, write_abort
 from .errors import CheckpointError, CheckpointWarning
-from .manifest import IndexEntry, RankIndex, TensorEntry, data_file, index_file
+from .format.manifest import IndexEntry, RankIndex, TensorEntry, data_file, index_file
 from .snapshot import BufferPool, HostBuffer, Piece
 from .storage import Storage
 

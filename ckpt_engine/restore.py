@@ -18,9 +18,9 @@ from typing import Callable, Mapping, Sequence
 import torch
 import xxhash
 
-from .catalog import parse_dir
+from .format.catalog import parse_dir
 from .errors import CorruptionError, FormatError, StorageError
-from .manifest import (MANIFEST_NAME, MAX_INDEX_BYTES, MAX_MANIFEST_BYTES, IndexEntry, Manifest, RankIndex,
+from .format.manifest import (MANIFEST_NAME, MAX_INDEX_BYTES, MAX_MANIFEST_BYTES, IndexEntry, Manifest, RankIndex,
                        TensorEntry, check_coverage, data_file, extents, index_file)
 from .storage import Reader, Storage
 from .values import decode, parse_dtype

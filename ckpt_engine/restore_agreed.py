@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .agree import on_rank0
-from .catalog import manifest_dirs
+from .format.catalog import manifest_dirs
 from .comm import Comm
 from .errors import CheckpointError, CorruptionError, NoCheckpointError
-from .manifest import Manifest
+from .format.manifest import Manifest
 from .restore import Opened, Progress, open_checkpoint, read_local, read_state
 from .storage import Storage
 

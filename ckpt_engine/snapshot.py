@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 from .cuda_copy import CudaCopy, Gather, Origin, queue
-from .manifest import ALIGN
+from .format.manifest import ALIGN
 from .plan import Slice
 
 PAGE = 4096

@@ -1,6 +1,6 @@
 """SIGTERM → one final checkpoint, taken by every rank at the same step.
 
-The agreement is the core's :class:`~ckpt_engine.preempt.SignalAgreement` over a Horovod
+The agreement is the core's :class:`~ckpt_engine.training.preempt.SignalAgreement` over a Horovod
 asynchronous allreduce (sum) of each rank's flag, under one fixed name (Horovod matches operations
 by name, and one is in flight at a time). Afterwards the handler that was installed before is put
 back and the signal is raised again, so the process ends as it would have without the hook (on
@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from ckpt_engine.preempt import SignalAgreement
+from ckpt_engine.training.preempt import SignalAgreement
 
 
 class PreemptionWatch(SignalAgreement):

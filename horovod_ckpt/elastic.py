@@ -37,8 +37,8 @@ from horovod.torch.elastic import TorchState
 
 from ckpt_engine import Checkpointer
 from ckpt_engine.errors import NoCheckpointError
-from ckpt_engine.resumable import rng_state
-from ckpt_engine.schedule import Schedule
+from ckpt_engine.training.resumable import rng_state
+from ckpt_engine.training.schedule import Schedule
 
 from .comm import HorovodComm
 from .hook import _UNSET, given_flags, make_checkpointer, resolve_config

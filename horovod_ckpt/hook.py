@@ -13,7 +13,7 @@ Order of calls, on every rank, from the training thread::
 
 Every rank snapshots and writes its own slices (no rank-0 bottleneck); see ``_state`` for what is
 replicated and what is per rank. The sampler is made resumable in place
-(:func:`ckpt_engine.resumable.make_resumable`): the DataLoader keeps using the same object, and
+(:func:`ckpt_engine.training.resumable.make_resumable`): the DataLoader keeps using the same object, and
 after ``restore()`` its next iteration yields exactly the unseen rest of the interrupted epoch,
 re-split across the ranks when their number changed.
 """
@@ -32,9 +32,9 @@ from ckpt_engine.errors import NoCheckpointError
 from ckpt_engine.restore_agreed import Restored
 from ckpt_engine.comm import Comm
 from ckpt_engine.config import CheckpointConfig
-from ckpt_engine.figures import FigureReporter
-from ckpt_engine.resumable import make_resumable, rng_state, set_rng_state
-from ckpt_engine.schedule import Schedule
+from ckpt_engine.training.figures import FigureReporter
+from ckpt_engine.training.resumable import make_resumable, rng_state, set_rng_state
+from ckpt_engine.training.schedule import Schedule
 
 from . import _hparams
 from ._hparams import Hparams, OptimizerHparams
@@ -54,7 +54,7 @@ class HorovodCheckpointer:
         model, optimizer, scheduler: what to checkpoint (``hvd.DistributedOptimizer`` included).
         sampler: the train sampler (typically a ``DistributedSampler``); made resumable in place.
         batch_size: per-rank batch size; optional (learned from the DataLoader's pulls otherwise,
-            see :meth:`ckpt_engine.resumable.InPlaceResumable.note_step`).
+            see :meth:`ckpt_engine.training.resumable.InPlaceResumable.note_step`).
         config: a YAML file (or mapping, or ``CheckpointConfig``) of the core's flags; keyword
             flags given here win over it.
         every_n_steps / every_seconds / overhead_budget / max_interval / keep_last / levels /

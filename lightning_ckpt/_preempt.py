@@ -4,7 +4,7 @@ Lightning's own multi-rank SIGTERM path cannot carry a final checkpoint: its sig
 collective from inside the handler (a broadcast no other rank pairs with: we saw 2 CPU ranks hang
 on it with ``strategy="ddp"``), and with ``ddp_spawn`` the exception it raises never reaches a
 callback in the ranks (``on_exception`` runs only in the launching process). So with more than one
-rank the callback takes the signal over for the duration of training, with the core's :class:`~ckpt_engine.preempt.SignalAgreement` (a flag set by the handler, an
+rank the callback takes the signal over for the duration of training, with the core's :class:`~ckpt_engine.training.preempt.SignalAgreement` (a flag set by the handler, an
 asynchronous 4-byte reduction per optimizer step, read a step later) over a one-integer ``MAX``
 all-reduce on a gloo group of its own.
 
@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ckpt_engine.preempt import SignalAgreement
+from ckpt_engine.training.preempt import SignalAgreement
 
 
 def stop_agreement() -> SignalAgreement:

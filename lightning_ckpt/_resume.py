@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import warnings
 
-from ckpt_engine.catalog import parse_dir
+from ckpt_engine.format.catalog import parse_dir
 from ckpt_engine.errors import UnsupportedValueError
 from ckpt_engine.values import encode
 

@@ -1,6 +1,6 @@
 """The train sampler the callback installs: exact mid-epoch resume, also for torchdata's loader.
 
-Two things beyond :class:`~ckpt_engine.resumable.ResumableSampler`:
+Two things beyond :class:`~ckpt_engine.training.resumable.ResumableSampler`:
 
 * **Private generators.** A ``RandomSampler`` built with ``generator=g`` (``DataLoader(generator=g)``)
   and torchdata's stateful ``RandomSampler`` (which seeds a generator of its own once, at
@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ckpt_engine.resumable import ResumableSampler
+from ckpt_engine.training.resumable import ResumableSampler
 
 _CHAIN = ("generator", "inner", "sampler", "_sampler", "base_sampler", "dataset")
 

@@ -1,7 +1,7 @@
 """``AsyncShardedCheckpoint``: two-phase, rank-sliced checkpoints for a Lightning ``Trainer``.
 
 Every rank takes part (Lightning's ``CheckpointIO`` only runs on rank 0, so the writer lives in
-this callback): after each real optimizer step the shared :class:`~ckpt_engine.schedule.Schedule`
+this callback): after each real optimizer step the shared :class:`~ckpt_engine.training.schedule.Schedule`
 decides, identically on every rank, whether to checkpoint; each rank then snapshots its slice of
 the replicated state and persists it in the background.
 
@@ -18,7 +18,7 @@ Resume: exactly one checkpoint is restored (ours with ``resume="auto"`` or ``fit
 Lightning's with another ``ckpt_path``; ``"last"`` takes the newer: see :meth:`_resume_start`).
 From ours Lightning restores the dictionary this callback assembles; the train sampler is wrapped
 so that the interrupted epoch continues at the next unseen sample, and the RNG streams are restored
-at the step (see ``ckpt_engine.resumable``). Not bitwise: random augmentation inside DataLoader
+at the step (see ``ckpt_engine.training.resumable``). Not bitwise: random augmentation inside DataLoader
 workers (their seeds derive from a draw at ``iter()`` time) and a restore on a different world size
 (the data split changes).
 """
@@ -35,10 +35,10 @@ import torch
 
 from ckpt_engine import Checkpointer, CheckpointError, LocalComm, TorchDistComm
 from ckpt_engine.agree import on_rank0
-from ckpt_engine.figures import FigureReporter
-from ckpt_engine.preempt import SignalAgreement
-from ckpt_engine.resumable import rng_state, set_rng_state
-from ckpt_engine.schedule import Schedule
+from ckpt_engine.training.figures import FigureReporter
+from ckpt_engine.training.preempt import SignalAgreement
+from ckpt_engine.training.resumable import rng_state, set_rng_state
+from ckpt_engine.training.schedule import Schedule
 
 from . import _flags, _lightning, _trainer_api
 from ._preempt import stop_agreement

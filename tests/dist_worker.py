@@ -87,8 +87,8 @@ def main() -> None:
         # Each rank's iterations take a different time: the decision must still be identical.
         import time
 
-        from ckpt_engine.policy import Adaptive
-        from ckpt_engine.schedule import Schedule
+        from ckpt_engine.training.policy import Adaptive
+        from ckpt_engine.training.schedule import Schedule
         policy = Adaptive(0.2, profile_steps=5)
         sched = Schedule(policy, ck)
         saved = []

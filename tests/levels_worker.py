@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from ckpt_engine import Checkpointer, TorchDistComm  # noqa: E402
-from ckpt_engine.catalog import manifest_dirs  # noqa: E402
+from ckpt_engine.format.catalog import manifest_dirs  # noqa: E402
 from ckpt_engine.storage import Storage  # noqa: E402
 from ckpt_engine.testing import SlowStorage  # noqa: E402
 from dist_worker import digest, make_local, make_state  # noqa: E402

@@ -14,7 +14,7 @@ import torch
 
 from ckpt_engine import Checkpointer
 from ckpt_engine import checkpointer as checkpointer_mod
-from ckpt_engine.catalog import dir_name, parse_dir
+from ckpt_engine.format.catalog import dir_name, parse_dir
 
 FROZEN = 1_700_000_000.123  # a fixed Unix time: every tag below is made "in the same millisecond"
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ckpt_engine import Checkpointer, CheckpointError, LocalComm, NoCheckpointError
-from ckpt_engine.catalog import attempt_dirs
+from ckpt_engine.format.catalog import attempt_dirs
 from ckpt_engine.storage import Storage
 from ckpt_engine.testing import SlowStorage
 from helpers import assert_same

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from ckpt_engine import Checkpointer
-from ckpt_engine.catalog import manifest_dirs
+from ckpt_engine.format.catalog import manifest_dirs
 from ckpt_engine.cli import main
 from ckpt_engine.storage import Storage
 from dist_worker import make_local, make_state

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ckpt_engine.config import CheckpointConfig, ConfigError, Never
-from ckpt_engine.policy import Adaptive, EveryNSteps, EverySeconds, MaxInterval
+from ckpt_engine.training.policy import Adaptive, EveryNSteps, EverySeconds, MaxInterval
 
 
 def test_valid_configurations_build_their_policies():

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from ckpt_engine import Checkpointer
-from ckpt_engine.catalog import attempt_dirs, manifest_dirs
+from ckpt_engine.format.catalog import attempt_dirs, manifest_dirs
 from dist_worker import digest, make_state
 from test_distributed import start_ranks
 

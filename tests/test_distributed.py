@@ -14,7 +14,7 @@ import time
 import pytest
 
 from ckpt_engine import Checkpointer
-from ckpt_engine.catalog import committed, manifest_dirs
+from ckpt_engine.format.catalog import committed, manifest_dirs
 from ckpt_engine.storage import Storage
 from dist_worker import digest, make_local, make_state
 

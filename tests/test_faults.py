@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ckpt_engine import Checkpointer, CheckpointError, CorruptionError
-from ckpt_engine.catalog import manifest_dirs
+from ckpt_engine.format.catalog import manifest_dirs
 from ckpt_engine.errors import FormatError
 from ckpt_engine.storage import Storage
 from ckpt_engine.testing import FailingStorage
@@ -115,7 +115,7 @@ def test_damaged_checkpoints_are_detected(tmp_path, damage):
 def test_manifest_pointing_outside_the_directory_is_rejected(tmp_path):
     root = saved(tmp_path, steps=(1,))
     path = os.path.join(newest_dir(root), "manifest.json")
-    from ckpt_engine.manifest import seal, unseal
+    from ckpt_engine.format.manifest import seal, unseal
     body = json.loads(unseal(open(path, "rb").read(), path))
     body["ranks"][0]["data_file"] = "../../../etc/passwd"
     open(path, "wb").write(seal(json.dumps(body).encode()))
@@ -196,7 +196,7 @@ def test_a_failed_latest_write_after_the_manifest_is_a_warning_and_the_save_coun
     """Only the manifest decides visibility, so only the manifest decides success: retention runs,
     the counters and the figures say committed, and the failure of the hint is a warning."""
     from ckpt_engine import CheckpointWarning
-    from ckpt_engine.figures import figure_row
+    from ckpt_engine.training.figures import figure_row
     ck = Checkpointer(NoLatestStorage(str(tmp_path)), keep_last=1)  # on_error="raise"
     ck.save(state(1.0), 1)
     with pytest.warns(CheckpointWarning, match=r"committed.*latest"):

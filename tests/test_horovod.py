@@ -21,7 +21,7 @@ import torch
 
 from ckpt_engine import Checkpointer
 from ckpt_engine.config import ConfigError
-from ckpt_engine.resumable import InPlaceResumable, make_resumable
+from ckpt_engine.training.resumable import InPlaceResumable, make_resumable
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from helpers import assert_same, proc_stat
 

@@ -27,10 +27,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckpt_engine import CheckpointError, Checkpointer, CorruptionError, FormatError
-from ckpt_engine.catalog import manifest_dirs
+from ckpt_engine.format.catalog import manifest_dirs
 from ckpt_engine.cli import main
-from ckpt_engine.describe import describe
-from ckpt_engine.manifest import seal, unseal
+from ckpt_engine.cli.inspect import describe
+from ckpt_engine.format.manifest import seal, unseal
 from ckpt_engine.restore import open_checkpoint, read_local, read_state
 from ckpt_engine.storage import Storage
 from ckpt_engine.testing import SequentialComm, run_ranks
@@ -469,7 +469,7 @@ def test_nesting_at_the_limit_round_trips_and_beyond_it_is_refused_at_save(tmp_p
 
 
 def test_a_manifest_beyond_the_readers_cap_is_never_committed(tmp_path, monkeypatch):
-    import ckpt_engine.manifest as manifest
+    import ckpt_engine.format.manifest as manifest
 
     ck = Checkpointer(str(tmp_path / "ck"))
     ck.save(state(1.0), 1)

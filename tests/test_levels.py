@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from ckpt_engine import Checkpointer, CheckpointError, CheckpointWarning, CorruptionError
-from ckpt_engine.catalog import attempt_dirs, manifest_dirs
+from ckpt_engine.format.catalog import attempt_dirs, manifest_dirs
 from ckpt_engine.config import CheckpointConfig
-from ckpt_engine.transfer import copy_rank
-from ckpt_engine.levels import complete_everywhere
-from ckpt_engine.manifest import MANIFEST_NAME, data_file, index_file
+from ckpt_engine.levels.transfer import copy_rank
+from ckpt_engine.levels.open import complete_everywhere
+from ckpt_engine.format.manifest import MANIFEST_NAME, data_file, index_file
 from ckpt_engine.restore import open_checkpoint, verify
-from ckpt_engine.restore_levels import Candidate, candidates
+from ckpt_engine.levels.restore import Candidate, candidates
 from ckpt_engine.storage import Storage
 from ckpt_engine.testing import FailingStorage, GatedStorage, SlowStorage
 from dist_worker import digest, make_local, make_state

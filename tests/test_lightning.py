@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ckpt_engine import Checkpointer
-from ckpt_engine.catalog import committed
+from ckpt_engine.format.catalog import committed
 from helpers import flip_local, proc_stat
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # real training jobs, killed and resumed

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpt_engine.errors import CheckpointError, CorruptionError, FormatError
-from ckpt_engine.manifest import (IndexEntry, Manifest, RankIndex, RankRecord, TensorEntry, check_coverage, seal,
+from ckpt_engine.format.manifest import (IndexEntry, Manifest, RankIndex, RankRecord, TensorEntry, check_coverage, seal,
                                   unseal)
 
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt_engine.manifest import Manifest, RankRecord, TensorEntry
+from ckpt_engine.format.manifest import Manifest, RankRecord, TensorEntry
 from ckpt_engine.plan import SPLIT, TensorMeta, make_plan
 from model_shapes import gpt2_small, metas, resnet50
 

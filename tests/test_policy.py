@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from ckpt_engine.policy import Adaptive, EveryNSteps, EverySeconds, MaxInterval
+from ckpt_engine.training.policy import Adaptive, EveryNSteps, EverySeconds, MaxInterval
 
 
 @dataclass

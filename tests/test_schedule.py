@@ -8,8 +8,8 @@ import math
 import torch
 
 from ckpt_engine import Checkpointer
-from ckpt_engine.policy import Adaptive, EveryNSteps
-from ckpt_engine.schedule import Schedule
+from ckpt_engine.training.policy import Adaptive, EveryNSteps
+from ckpt_engine.training.schedule import Schedule
 
 
 def train(ck, policy, steps, width=256, clock=None):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from ckpt_engine import Checkpointer, CheckpointError, CheckpointWarning, CorruptionError, StorageError
-from ckpt_engine.catalog import manifest_dirs
-from ckpt_engine.retry import is_transient, retrying
+from ckpt_engine.format.catalog import manifest_dirs
+from ckpt_engine.storage.retry import is_transient, retrying
 from ckpt_engine.storage import Storage
 from helpers import assert_same
 
@@ -217,7 +217,6 @@ def test_direct_io_write_of_an_aligned_buffer_is_exact_and_bypasses_the_page_cac
     import os
 
     from ckpt_engine import storage as storage_mod
-
     n = (2 << 20) + tail
     buf = mmap.mmap(-1, n)  # mmap memory is page-aligned, like the snapshot's host buffers
     buf.write(os.urandom(n))
@@ -245,7 +244,6 @@ def test_direct_io_refused_falls_back_to_buffered_writes(tmp_path, monkeypatch):
     import os
 
     from ckpt_engine import storage as storage_mod
-
     real_open = os.open
 
     def refusing_open(path, flags, *a):
@@ -271,7 +269,7 @@ def test_not_implemented_is_not_transient():
     """A 501 is a 5xx but permanent: the server lacks the API (s3fs raises it as ENOSYS)."""
     import errno
 
-    from ckpt_engine.retry import is_not_implemented
+    from ckpt_engine.storage.retry import is_not_implemented
 
     answer = type("ClientError", (Exception,), {"response": {
         "Error": {"Code": "NotImplemented"}, "ResponseMetadata": {"HTTPStatusCode": 501}}})()
@@ -299,7 +297,6 @@ class _FailingChunks:
 def test_a_failed_upload_leaves_no_partial_object(url, request, monkeypatch):
     """fsspec's close() completes an upload even after an error: the bytes so far must not become the object."""
     from ckpt_engine import storage as storage_mod
-
     monkeypatch.setattr(storage_mod, "_OBJECT_BLOCK", 5 << 20)  # parts / staged blocks before the failure
     st = Storage(request.getfixturevalue(url), retry_deadline=1)
     with pytest.raises(StorageError, match=r"could not write .*d/f\.bin: .*No space left"):
@@ -322,7 +319,7 @@ def test_checkpointer_end_to_end_on_azurite(az_url, azurite_server, monkeypatch)
     (no multipart listing there) removes a crashed run's attempt and keeps the checkpoint."""
     import azurite
     from ckpt_engine import storage as storage_mod
-    from ckpt_engine.catalog import attempt_dirs
+    from ckpt_engine.format.catalog import attempt_dirs
 
     monkeypatch.setattr(storage_mod, "_OBJECT_BLOCK", 4 << 20)  # 20 MiB: six staged blocks
     state = {"big": torch.randn(5 << 20), "small": torch.arange(10), "v": "x"}

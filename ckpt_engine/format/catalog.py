@@ -12,10 +12,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 from .guard import local_kind
 from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
-from .storage import Storage
+from ..storage import Storage
 
 _DIR = re.compile(r"step-(\d{12,})-([0-9a-z]{1,64})")
 LATEST = "latest"

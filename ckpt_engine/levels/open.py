@@ -25,16 +25,16 @@ from typing import Any, Callable, Sequence
 
 import xxhash
 
-from .agree import on_rank0
-from .catalog import manifest_dirs, parse_dir
-from .comm import Comm
-from .commit import sweep
-from .config import LevelSpec
-from .errors import CheckpointError, FormatError
+from ..agree import on_rank0
+from ..format.catalog import manifest_dirs, parse_dir
+from ..comm import Comm
+from ..commit import sweep
+from ..config import LevelSpec
+from ..errors import CheckpointError, FormatError
 from .flush import FLUSHING
-from .manifest import MANIFEST_NAME, Manifest, RankIndex, RankRecord, data_file, index_file, seal, unseal
-from .storage import Storage
-from .strict_json import parse_json
+from ..format.manifest import MANIFEST_NAME, Manifest, RankIndex, RankRecord, data_file, index_file, seal, unseal
+from ..storage import Storage
+from ..format.strict_json import parse_json
 
 RANK_COMMIT = "rank-commit.json"
 """On a node-local level 1: a rank's own commit of its files, written last."""

@@ -1,6 +1,6 @@
 """``ckpt diff``: which values of two checkpoints' replicated states differ, and by how much.
 
-Keys are matched by their flat key (:mod:`ckpt_engine.tree`). Tensors are read one at a time
+Keys are matched by their flat key (:mod:`ckpt_engine.cli.tree`). Tensors are read one at a time
 (:func:`restore.tensor_reader`: verified, memory bounded by the largest tensor) and compared in
 chunks; a tensor whose slices carry the same ranges and checksums in both checkpoints is
 reported unchanged without reading it (same xxh3-64 over the same bytes). Plain values are
@@ -18,12 +18,12 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .progress import Bar
-from .restore import Opened, tensor_reader
-from .storage import Storage
+from ..progress import Bar
+from ..restore import Opened, tensor_reader
+from ..storage import Storage
 from .table import render
 from .tree import TensorRef, flatten, is_tensor, refs_tree, short_repr
-from .values import encode
+from ..values import encode
 
 CHUNK = 1 << 22
 """Elements compared at a time: bounds the temporary float64 copies to a few tens of MiB."""

@@ -12,9 +12,9 @@ from typing import Iterator
 
 import xxhash
 
-from .errors import CorruptionError
-from .manifest import RankIndex, data_file, extents, index_file
-from .storage import Storage
+from ..errors import CorruptionError
+from ..format.manifest import RankIndex, data_file, extents, index_file
+from ..storage import Storage
 
 CHUNK = 8 << 20
 """Bytes per read while copying: the most a copy holds in memory (plus the object store's part buffer)."""

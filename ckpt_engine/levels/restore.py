@@ -25,17 +25,17 @@ import numpy as np
 import torch
 import xxhash
 
-from .comm import Comm
-from .errors import CheckpointError, CorruptionError, FormatError, NoCheckpointError
+from ..comm import Comm
+from ..errors import CheckpointError, CorruptionError, FormatError, NoCheckpointError
 from .transfer import StreamCheck
-from .catalog import manifest_dirs
-from .levels import RANK_COMMIT, Level, RankCommit, local_catalog
-from .manifest import RankIndex, RankRecord, check_coverage, data_file, index_file
+from ..format.catalog import manifest_dirs
+from .open import RANK_COMMIT, Level, RankCommit, local_catalog
+from ..format.manifest import RankIndex, RankRecord, check_coverage, data_file, index_file
 from .multilevel import MultiLevel
-from .restore import Opened, open_checkpoint
-from .restore_agreed import read_for_rank
-from .storage import Storage
-from .values import decode, parse_dtype
+from ..restore import Opened, open_checkpoint
+from ..restore_agreed import read_for_rank
+from ..storage import Storage
+from ..values import decode, parse_dtype
 
 EXCHANGE = 64 << 20
 """Bytes each rank contributes per round when rebuilding the state from node-local copies."""

@@ -23,10 +23,10 @@ from typing import Any, Callable, Sequence
 
 import xxhash
 
-from .errors import CorruptionError, FormatError, UnsupportedValueError
+from ..errors import CorruptionError, FormatError, UnsupportedValueError
 from .guard import MAX_METADATA_BYTES
 from .strict_json import parse_json
-from .values import MAX_DEPTH, MAX_NDIM, TORCH_DTYPES, check_tree
+from ..values import MAX_DEPTH, MAX_NDIM, TORCH_DTYPES, check_tree
 
 FORMAT_VERSION = 1
 ALIGN = 64

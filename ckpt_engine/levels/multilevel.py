@@ -19,15 +19,15 @@ from collections import deque
 from dataclasses import replace
 from typing import Callable, Sequence
 
-from .catalog import committed, parse_dir
-from .comm import Comm
-from .commit import CommitInputs, retain, wait_for_commit
-from .config import LevelSpec
-from .errors import CheckpointError, CommitTimeoutError
+from ..format.catalog import committed, parse_dir
+from ..comm import Comm
+from ..commit import CommitInputs, retain, wait_for_commit
+from ..config import LevelSpec
+from ..errors import CheckpointError, CommitTimeoutError
 from .flush import Flusher, FlushItem, FlushRecord
-from .levels import RANK_COMMIT, Level, RankCommit, open_levels, write_rank_commit
-from .manifest import MANIFEST_NAME, Manifest, RankRecord
-from .persist import PersistJob
+from .open import RANK_COMMIT, Level, RankCommit, open_levels, write_rank_commit
+from ..format.manifest import MANIFEST_NAME, Manifest, RankRecord
+from ..persist import PersistJob
 
 
 class MultiLevel:
@@ -35,7 +35,7 @@ class MultiLevel:
 
     ``counters`` and ``records``: the checkpointer's figures, which the flushers extend
     (``flushed``, ``flush_skipped``, ``flush_failed``, ``flush_bytes``; one
-    :class:`~ckpt_engine.flush.FlushRecord` per checkpoint and lower level).
+    :class:`~ckpt_engine.levels.flush.FlushRecord` per checkpoint and lower level).
     """
 
     def __init__(self, specs: Sequence[LevelSpec], comm: Comm, *, commit_timeout: float, retries: int,

@@ -25,12 +25,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Callable
 
-from . import catalog
-from .commit import remove_checkpoint
-from .errors import CheckpointError, StorageError
-from .manifest import MANIFEST_NAME
-from .retry import retrying
-from .storage import Storage
+from ..format import catalog
+from ..commit import remove_checkpoint
+from ..errors import CheckpointError, StorageError
+from ..format.manifest import MANIFEST_NAME
+from ..storage.retry import retrying
+from ..storage import Storage
 
 _DURATION = re.compile(r"(\d+(?:\.\d*)?)\s*(s|m|min|h|d)?")
 _UNITS = {None: 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}

@@ -27,14 +27,14 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
-from .catalog import parse_dir
-from .commit import Abandoned, CommitInputs, commit, retain, write_abort
-from .errors import CheckpointError
-from .manifest import Manifest, RankRecord, index_file
-from .storage import Storage
+from ..format.catalog import parse_dir
+from ..commit import Abandoned, CommitInputs, commit, retain, write_abort
+from ..errors import CheckpointError
+from ..format.manifest import Manifest, RankRecord, index_file
+from ..storage import Storage
 from .transfer import copy_rank
 
-log = logging.getLogger("ckpt_engine.flush")
+log = logging.getLogger("ckpt_engine.levels.flush")
 
 FLUSHING = "flushing"
 """Lower-level root file: rank 0's current decision, ``{"dir": <attempt dir>, "flush": true|false}``."""

@@ -32,8 +32,8 @@ import fsspec
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
-from . import guard
-from .errors import CheckpointError, CheckpointWarning, StorageError
+from ..format import guard
+from ..errors import CheckpointError, CheckpointWarning, StorageError
 from .retry import is_not_implemented, retrying
 
 T = TypeVar("T")

@@ -25,7 +25,7 @@ import os
 import stat
 from typing import Any
 
-from .errors import FormatError
+from ..errors import FormatError
 
 MAX_METADATA_BYTES = 128 << 20
 """Default read limit for metadata files (manifest, index, markers): the format's caps, see

@@ -19,8 +19,8 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from .errors import CheckpointError
-from .values import decode
+from ..errors import CheckpointError
+from ..values import decode
 
 ROOT_KEY = "state"
 

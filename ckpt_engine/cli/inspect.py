@@ -2,7 +2,7 @@
 
 No data file is read: tensor dtypes, shapes and placement come from the tensor tables, plain
 values from the typed-JSON trees (both already verified by :func:`restore.open_checkpoint`).
-Keys are the flat keys of :mod:`ckpt_engine.tree`.
+Keys are the flat keys of :mod:`ckpt_engine.cli.tree`.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .manifest import TensorEntry
-from .restore import Opened
+from ..format.manifest import TensorEntry
+from ..restore import Opened
 from .table import human, iso, render
 from .tree import TensorRef, flatten, is_tensor, refs_tree, short_repr, type_name
-from .values import encode
+from ..values import encode
 
 
 @dataclass(frozen=True)

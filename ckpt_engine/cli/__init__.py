@@ -17,12 +17,16 @@ import sys
 from dataclasses import asdict
 from typing import Any, Sequence
 
-from . import __version__, catalog, cleanup, compare, describe, progress
-from .errors import CheckpointError, CorruptionError, FormatError, NoCheckpointError, StorageError
+from .. import __version__, progress
+from ..format import catalog
+from . import diff as compare
+from . import gc as cleanup
+from . import inspect as describe
+from ..errors import CheckpointError, CorruptionError, FormatError, NoCheckpointError, StorageError
 from .export import FORMATS, export
-from .manifest import MANIFEST_NAME
-from .restore import Opened, open_checkpoint, verify
-from .storage import Storage
+from ..format.manifest import MANIFEST_NAME
+from ..restore import Opened, open_checkpoint, verify
+from ..storage import Storage
 from .table import duration, human, iso, render
 
 OK, DIFFERENT, ERROR = 0, 1, 2

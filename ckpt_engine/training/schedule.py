@@ -17,8 +17,8 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from .checkpointer import Checkpointer
-from .persist import SaveRecord
+from ..checkpointer import Checkpointer
+from ..persist import SaveRecord
 from .policy import Policy
 
 

@@ -14,8 +14,8 @@ import os
 import time
 from typing import Any, Mapping
 
-from .persist import SaveRecord
-from .storage import Storage
+from ..persist import SaveRecord
+from ..storage import Storage
 
 
 def figure_row(rec: SaveRecord, policy_figures: Mapping[str, Any]) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import json
 import math
 from typing import Any
 
-from .errors import FormatError
+from ..errors import FormatError
 
 
 def parse_json(raw: bytes, where: str) -> Any:

@@ -1,7 +1,7 @@
 """When to checkpoint: every N steps, every T seconds, or adaptively under an overhead budget.
 
 A policy runs on rank 0 only and answers one question after each checkpoint (and once at the
-start): *at which step is the next one due?* The :class:`~ckpt_engine.schedule.Schedule` then
+start): *at which step is the next one due?* The :class:`~ckpt_engine.training.schedule.Schedule` then
 broadcasts that step, so every rank takes the same decision with one small collective per
 checkpoint instead of one per step (a per-step broadcast would itself show in the overhead).
 

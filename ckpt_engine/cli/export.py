@@ -4,7 +4,7 @@ Two formats:
 
 * ``torch``: ``torch.save`` of the replicated state as saved (nested dicts, lists, tuples,
   tensors, plain values; tied tensors stay one tensor), or with ``flat=True`` a flat
-  ``{"model.emb.weight": tensor, ...}`` dict (keys of :mod:`ckpt_engine.tree`). NumPy arrays
+  ``{"model.emb.weight": tensor, ...}`` dict (keys of :mod:`ckpt_engine.cli.tree`). NumPy arrays
   become tensors and NumPy scalars Python numbers, so ``torch.load(f, weights_only=True)``
   loads it with nothing but torch installed.
 * ``safetensors``: tensors only, under flat keys; every plain value goes into the header's
@@ -32,10 +32,10 @@ from fsspec.implementations.local import LocalFileSystem
 import numpy as np
 import torch
 
-from .errors import CheckpointError, StorageError
-from .progress import Bar
-from .restore import Opened, read_local, read_state
-from .storage import Storage
+from ..errors import CheckpointError, StorageError
+from ..progress import Bar
+from ..restore import Opened, read_local, read_state
+from ..storage import Storage
 from .tree import flatten, iter_leaves
 
 FORMATS = ("torch", "safetensors")

@@ -1,0 +1,3 @@
+"""What a checkpoint is on storage (docs/FORMAT.md): the manifest and rank indexes
+(:mod:`.manifest`), directory names and listings (:mod:`.catalog`), and the guards every reader
+applies to bytes it did not write (:mod:`.strict_json`, :mod:`.guard`)."""
