@@ -386,7 +386,7 @@ def measure(make: Callable[[str], Any], state: Any, nbytes: int, workdir: str, p
                     shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
     finally:
         c.close()
-        del c
+        c = None  # drop the reference before free_memory() (not del: closures above read it)
         shutil.rmtree(root, ignore_errors=True)
         free_memory()
     steady = rows[1:] if len(rows) > 1 else rows
@@ -453,7 +453,7 @@ def bench_size(size: float, args: argparse.Namespace, probe: GpuProbe, out: dict
         log(f"  {name}: " + ", ".join(f"{k}={v:.4g}" for k, v in r.items() if isinstance(v, float))
             if "error" not in r else f"  {name}: {r['error']}")
         dump()
-    del state
+    state = None  # drop the reference before free_memory() (not del: closures above read it)
     free_memory()
 
 
@@ -621,7 +621,7 @@ def bench_train(args: argparse.Namespace) -> dict[str, Any]:
     for r in out["runs"].values():
         if "step_s" in r:
             r["overhead"] = r["step_s"] / out["baseline_step_s"] - 1
-    del tr
+    tr = None  # drop the reference before free_memory() (not del: closures above read it)
     free_memory()
     return out
 

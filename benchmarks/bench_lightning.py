@@ -40,7 +40,6 @@ import os
 import platform
 import sys
 import tempfile
-import time
 from typing import Any
 
 import torch

@@ -37,7 +37,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import tempfile
 from typing import Any

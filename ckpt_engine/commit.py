@@ -21,13 +21,13 @@ import json
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Collection
+from typing import Any, Callable, Collection
 
 import xxhash
 
 from .format.catalog import LATEST, attempt_dirs, parse_dir
 from .errors import CheckpointError, CheckpointWarning, CommitTimeoutError, FormatError
-from .format.manifest import MANIFEST_NAME, Manifest, RankIndex, RankRecord, check_coverage, index_file
+from .format.manifest import MANIFEST_NAME, Manifest, RankIndex, RankRecord, TensorEntry, check_coverage, index_file
 from .storage import Storage
 
 
@@ -59,24 +59,19 @@ def _check_aborts(storage: Storage, dirname: str, names: set[str], world_size: i
                                   f"{info.get('message', '')}")
 
 
-def _poll_cap(storage: Storage) -> float:
-    """Longest sleep between polls: listings are cheap locally, billed requests on object stores."""
-    return 0.01 if storage.local else 0.1
-
-
 def _poll(storage: Storage, dirname: str, timeout: float, done: Callable[[set[str]], bool],
           timed_out: Callable[[set[str]], CheckpointError]) -> None:
-    """List ``dirname`` (fresh) with growing pauses until ``done(names)``; ``timed_out`` builds the error."""
+    """List ``dirname`` (fresh) with growing pauses (``storage.polling.commit``) until ``done(names)``;
+    ``timed_out`` builds the error."""
     deadline = time.monotonic() + timeout
-    poll = 0.002
+    pauses = storage.polling.commit.pauses()
     while True:
         names = set(storage.listdir(dirname))
         if done(names):
             return
         if time.monotonic() > deadline:
             raise timed_out(names)
-        time.sleep(poll)
-        poll = min(poll * 2, _poll_cap(storage))
+        time.sleep(next(pauses))
 
 
 def wait_for_ranks(storage: Storage, dirname: str, world_size: int, timeout: float) -> None:
@@ -122,6 +117,15 @@ class CommitInputs:
     world_size: int
     attempt: str
     manifest_body: Callable[[tuple[RankRecord, ...], float], Manifest]
+
+    @staticmethod
+    def of_save(step: int, world_size: int, attempt: str, split_threshold: int, tensors: tuple[TensorEntry, ...],
+                tree: Any) -> "CommitInputs":
+        """The inputs of a save whose manifest has this tensor table and state tree."""
+        def body(ranks: tuple[RankRecord, ...], created_at: float) -> Manifest:
+            return Manifest(step, world_size, created_at, split_threshold, tensors, tree, ranks, {"attempt": attempt})
+
+        return CommitInputs(step, world_size, attempt, body)
 
 
 def commit(storage: Storage, dirname: str, inputs: CommitInputs, timeout: float, *,

@@ -3,7 +3,9 @@
 Flags (keyword arguments or YAML keys): ``path``, ``every_n_steps``, ``every_seconds``,
 ``overhead_budget``, ``max_interval``, ``keep_last``, ``levels``, ``storage_options``. The three
 triggers are mutually exclusive; ``max_interval`` ("at least every ... seconds") composes with any.
-Validation happens here, once, with messages that echo the bad key or value.
+Validation happens here, once, with messages that echo the bad key or value. A front end's
+flags, over a YAML file or mapping, become one :class:`CheckpointConfig` in :func:`resolve_config`
+(one ``keep_last`` default, :data:`DEFAULT_KEEP_LAST`, for every front end).
 
 ``levels`` (instead of ``path``) lists the persistence levels, fastest first: each entry a path, or
 a mapping ``{path: ..., storage_options: {...}, keep_last: N}``; the top-level ``storage_options``
@@ -180,16 +182,62 @@ class CheckpointConfig:
     @classmethod
     def from_yaml(cls, file: str, **overrides: Any) -> "CheckpointConfig":
         """Read a YAML mapping of the flags from ``file``; keyword ``overrides`` win."""
-        try:
-            with open(file, encoding="utf-8") as f:
-                values = yaml.safe_load(f) or {}
-        except OSError as e:
-            raise ConfigError(f"cannot read checkpoint config {file!r}: {e}") from e
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{file}: not valid YAML ({e})") from e
-        if not isinstance(values, dict):
-            raise ConfigError(f"{file}: expected a mapping of checkpoint flags, got {type(values).__name__}")
-        return cls.from_dict({**values, **overrides}, source=file)
+        return cls.from_dict({**read_yaml(file), **overrides}, source=file)
+
+
+def read_yaml(file: str) -> dict[str, Any]:
+    """The mapping of flags in the YAML ``file`` (empty file: ``{}``), not validated yet; a
+    :class:`ConfigError` names the file when it cannot be read or is not a mapping."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            values = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ConfigError(f"cannot read checkpoint config {file!r}: {e}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{file}: not valid YAML ({e})") from e
+    if not isinstance(values, dict):
+        raise ConfigError(f"{file}: expected a mapping of checkpoint flags, got {type(values).__name__}")
+    return values
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Any = _Unset()
+"""The default of a front end's flag that a YAML ``config`` may set (``keep_last``, whose ``None``
+means "keep every checkpoint")."""
+
+DEFAULT_KEEP_LAST = 3
+"""Committed checkpoints kept when neither the flags nor the YAML say (every front end)."""
+
+
+def given_flags(flags: Mapping[str, Any]) -> dict[str, Any]:
+    """The flags a caller gave: :data:`UNSET` and ``None`` are "not given", except
+    ``keep_last=None`` (keep every checkpoint)."""
+    return {k: v for k, v in flags.items() if v is not UNSET and (v is not None or k == "keep_last")}
+
+
+def resolve_config(config: "str | Mapping[str, Any] | CheckpointConfig | None",
+                   flags: Mapping[str, Any]) -> CheckpointConfig:
+    """The one configuration of a front end: ``config`` (a YAML file, a mapping, a
+    ``CheckpointConfig`` or ``None``) with the code ``flags`` that were given (:func:`given_flags`)
+    on top. ``keep_last`` is :data:`DEFAULT_KEEP_LAST` when neither sets it (before validation, so
+    it is also the default of every level); a ``CheckpointConfig`` is taken as it is."""
+    given = given_flags(flags)
+    if isinstance(config, CheckpointConfig):
+        return dataclasses.replace(config, **given) if given else config
+    source = "configuration"
+    values: dict[str, Any] = {}
+    if isinstance(config, Mapping):
+        values = dict(config)
+    elif config is not None:
+        source, values = str(config), read_yaml(str(config))
+    merged = {**values, **given}
+    if "keep_last" not in merged:
+        merged["keep_last"] = DEFAULT_KEEP_LAST
+    return CheckpointConfig.from_dict(merged, source=source)
 
 
 class Never(Policy):

@@ -29,7 +29,6 @@ Nothing here deletes a directory that holds a manifest, except :func:`make_room`
 from __future__ import annotations
 
 import errno
-import os
 import warnings
 from typing import Literal, Sequence, Union
 
@@ -57,22 +56,11 @@ def is_disk_full(error: BaseException) -> bool:
     return False
 
 
-def free_bytes(storage: Storage) -> int | None:
-    """Bytes free for this process at the root (local filesystems), ``None`` where unknown."""
-    if not storage.local:
-        return None
-    try:
-        st = os.statvfs(storage.root)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
-
-
 def disk_full(storage: Storage, error: BaseException, step: int, nbytes: int, keep_last: int | None) -> DiskFullError:
     """``error`` restated for the user: what was written, the bytes needed and free, what to do."""
     if isinstance(error, DiskFullError):
         return error
-    free = free_bytes(storage)
+    free = storage.free_bytes()
     room = (f"{free} bytes free there" if free is not None
             else f"the bytes free there are unknown on {storage.protocol}://")
     advice = ("set keep_last so that older checkpoints make room" if keep_last is None

@@ -16,7 +16,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import xxhash
@@ -27,6 +27,7 @@ from .errors import CheckpointError, CheckpointWarning
 from .format.manifest import IndexEntry, RankIndex, TensorEntry, data_file, index_file
 from .snapshot import BufferPool, HostBuffer, Piece
 from .storage import Storage
+from .tally import Tally
 
 
 _HASHER = ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash")
@@ -36,7 +37,16 @@ _OVERLAP_MIN = 8 << 20
 
 @dataclass
 class SaveRecord:
-    """Figures of one checkpoint on this rank (seconds and bytes)."""
+    """Figures of one checkpoint on this rank (seconds and bytes).
+
+    Wall seconds: ``stall_s`` (``save()`` on the training thread), ``encode_s`` (encoding and
+    layout, part of the stall), ``snapshot_s`` (the copy), ``persist_s`` (checksums and data
+    file), ``commit_s`` (rank 0). CPU seconds of the threads
+    that did the work (``time.thread_time()`` where it runs): ``encode_cpu_s`` (encoding and
+    layout, training thread), ``snapshot_cpu_s`` (the copy: the training thread, or a background
+    one when ``deferred``), ``persist_cpu_s`` (the persist thread, plus the hashing thread when
+    checksums ran beside the write), ``commit_cpu_s`` (rank 0's persist thread).
+    """
 
     step: int
     dirname: str
@@ -52,6 +62,13 @@ class SaveRecord:
     """``time.perf_counter()`` at ``save()`` and when this rank's job ended (after the commit on rank 0)."""
     error: str | None = None
     """Why this save failed on this rank (``None``: it did not)."""
+    deferred: bool = False
+    """The snapshot copy ran in the background (``save(defer=True)``), not on the training thread."""
+    encode_s: float = 0.0
+    encode_cpu_s: float = 0.0
+    snapshot_cpu_s: float = 0.0
+    persist_cpu_s: float = 0.0
+    commit_cpu_s: float = 0.0
 
 
 @dataclass
@@ -71,7 +88,6 @@ class PersistJob:
     record: SaveRecord
     snapshot: "Future[Any] | None" = None
     commit: CommitInputs | None = None
-    stats: dict = field(default_factory=dict)
     durable: bool = False
     """Set once this rank's files are durable (and, on the committer, committed)."""
 
@@ -82,13 +98,15 @@ def write_rank(storage: Storage, job: PersistJob) -> None:
         job.snapshot.result()
     if job.buffer.event is not None:
         job.buffer.event.synchronize()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.thread_time()
     view = job.buffer.view(job.nbytes)
     ends = [p.offset for p in job.pieces[1:]] + [job.nbytes]  # layout order: each piece padded up to the next
 
-    def checksums() -> tuple[IndexEntry, ...]:
-        return tuple(IndexEntry(p.local, p.tensor, p.start, p.stop, p.offset, p.nbytes,
-                                xxhash.xxh3_64_hexdigest(view[p.offset:end])) for p, end in zip(job.pieces, ends))
+    def checksums() -> tuple[tuple[IndexEntry, ...], float]:
+        begin = time.thread_time()
+        entries = tuple(IndexEntry(p.local, p.tensor, p.start, p.stop, p.offset, p.nbytes,
+                                   xxhash.xxh3_64_hexdigest(view[p.offset:end])) for p, end in zip(job.pieces, ends))
+        return entries, time.thread_time() - begin
 
     # The checksums (xxh3 releases the GIL) are computed beside the write, which reads the same
     # buffer and mostly waits on the device; the index that holds them is written after both.
@@ -96,8 +114,9 @@ def write_rank(storage: Storage, job: PersistJob) -> None:
     storage.makedirs(job.dirname)
     # No directory fsync here: the index file's atomic write below syncs the same directory.
     storage.write_stream(f"{job.dirname}/{data_file(job.rank)}", [view], sync_dir=False)
-    entries = hashing.result() if hashing is not None else checksums()
+    entries, hash_cpu = hashing.result() if hashing is not None else checksums()
     job.record.persist_s = time.perf_counter() - start
+    job.record.persist_cpu_s = time.thread_time() - cpu + (hash_cpu if hashing is not None else 0.0)
     index = RankIndex(job.step, job.rank, job.world_size, job.attempt, job.nbytes, entries, job.local_tensors,
                       job.local_tree, {"snapshot_s": job.record.snapshot_s, "persist_s": job.record.persist_s,
                                        "stall_s": job.record.stall_s})
@@ -107,26 +126,24 @@ def write_rank(storage: Storage, job: PersistJob) -> None:
 class PersistWorker:
     """The background thread of one ``Checkpointer``; jobs run one at a time, in order.
 
-    ``counters`` (the checkpointer's) gets ``failed`` (each failed save, once) and ``disk_full``
-    (each save whose write found the storage full: failed, or saved after making room).
-    ``make_room``: under ``ENOSPC``, remove committed checkpoints beyond ``keep_last - 1`` and
-    write again, once (single-level checkpointers with ``keep_last``; see ``failure.py``).
+    ``on_finished(job)`` is called on this thread at the end of every job, failed ones included
+    (``job.durable`` says which), after the commit (``job.commit`` given) and before the record's
+    ``finished_at`` is set where no commit set it; an exception there fails the job. ``tally``
+    (the checkpointer's) gets ``failed`` (each failed save, once) and ``disk_full`` (each save
+    whose write found the storage full: failed, or saved after making room). ``make_room``: under
+    ``ENOSPC``, remove committed checkpoints beyond ``keep_last - 1`` and write again, once
+    (single-level checkpointers with ``keep_last``; see ``failure.py``).
     """
 
     def __init__(self, storage: Storage, pool: BufferPool, commit_timeout: float,
-                 after_commit: Callable[[PersistJob], None],
-                 on_finished: Callable[[PersistJob], None] | None = None, *,
-                 counters: dict[str, Any] | None = None, keep_last: int | None = None,
-                 make_room: bool = False) -> None:
+                 on_finished: Callable[[PersistJob], None], *, tally: Tally | None = None,
+                 keep_last: int | None = None, make_room: bool = False) -> None:
         self._storage = storage
         self._pool = pool
         self._timeout = commit_timeout
-        self._after_commit = after_commit
-        # Called here at the end of every job, failed ones included (``job.durable`` says which),
-        # before ``finished_at``; an exception there fails the job (multi-level persistence uses it).
         self._on_finished = on_finished
         self._queue: "queue.Queue[PersistJob | None]" = queue.Queue()
-        self._counters = counters if counters is not None else {}
+        self._tally = tally if tally is not None else Tally()
         self._keep_last, self._make_room = keep_last, make_room and keep_last is not None
         self._reports: deque[failure.Report] = deque()
         self._dead: list[tuple[str, int]] = []
@@ -162,10 +179,9 @@ class PersistWorker:
         while True:
             job = self._queue.get()
             try:
-                if job is None:
-                    self._discard_dead()
-                    return
                 self._discard_dead()
+                if job is None:
+                    return
                 self._process(job)
             finally:
                 self._queue.task_done()
@@ -173,12 +189,11 @@ class PersistWorker:
     def _process(self, job: PersistJob) -> None:
         try:
             self._persist_and_commit(job)
-            if self._on_finished is not None:
-                try:
-                    self._on_finished(job)
-                except BaseException as e:  # noqa: BLE001 - kept and re-raised on the training side
-                    job.durable = False
-                    self._fail(job, e)
+            try:
+                self._on_finished(job)
+            except BaseException as e:  # noqa: BLE001 - kept and re-raised on the training side
+                job.durable = False
+                self._fail(job, e)
         finally:
             job.record.finished_at = job.record.finished_at or time.perf_counter()
 
@@ -189,12 +204,12 @@ class PersistWorker:
             finally:
                 self._pool.release(job.buffer)
             if job.commit is not None:
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.thread_time()
                 commit(self._storage, job.dirname, job.commit, self._timeout, on_hint_error=self._report)
                 job.record.commit_s = time.perf_counter() - start
+                job.record.commit_cpu_s = time.thread_time() - cpu
                 job.record.committed = True
                 job.record.finished_at = time.perf_counter()
-                self._after_commit(job)
             job.durable = True
         except Abandoned:
             job.record.skipped = True
@@ -251,4 +266,4 @@ class PersistWorker:
             self._reports.append(item)
 
     def _count(self, key: str) -> None:
-        self._counters[key] = self._counters.get(key, 0) + 1
+        self._tally.count(key)

@@ -6,24 +6,28 @@ front ends take per-rank state from when the world size changed, and the plain v
 rank needs). A checkpoint is chosen only when all three verify, so a damaged ``local`` section
 moves the fallback on to an older checkpoint instead of failing after the choice.
 
-* :func:`read_for_rank`: the parts one rank uses, read and verified (``Checkpointer.load``).
-* :func:`restore`: the collective the front ends call on every rank (a single level; the
-  multi-level load is a collective of its own, restore_levels.py). Rank 0 lists the candidates
-  once and broadcasts them (or its failure to list); every rank reads its parts of one candidate, then one all-gather of
-  verdicts moves all ranks to the next candidate together when any of them failed, so every
-  rank resumes from the same step.
+* :func:`read_for_rank`: the parts one rank uses, read and verified.
+* :func:`restore`: the choice on one level (the multi-level one is levels/restore.py). With the
+  job's communicator it is the collective the front ends call on every rank: rank 0 lists the
+  candidates once and broadcasts them (or its failure to list); every rank reads its parts of one
+  candidate, then one all-gather of verdicts moves all ranks to the next candidate together when
+  any of them failed, so every rank resumes from the same step. With a :class:`LocalComm` it is
+  ``Checkpointer.load()``: the same choice by this process alone, no communication.
+* :class:`Loaded`: what a load or restore opened, kept for ``load_local()``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 from .agree import on_rank0
-from .format.catalog import manifest_dirs
 from .comm import Comm
 from .errors import CheckpointError, CorruptionError, NoCheckpointError
+from .format.catalog import committed, manifest_dirs
 from .format.manifest import Manifest
+from .progress import Bar
+from .progress import wanted as progress_wanted
 from .restore import Opened, Progress, open_checkpoint, read_local, read_state
 from .storage import Storage
 
@@ -44,6 +48,37 @@ class Restored:
     """The level it was read from (0: the first, fastest)."""
 
 
+@dataclass(frozen=True)
+class Loaded:
+    """What the last load or restore opened: the checkpoint, where, and the ``local`` sections it verified."""
+
+    opened: Opened
+    storage: Storage
+    level: int = 0
+    """The level it was read from (0: the first, fastest)."""
+    locals: Mapping[int, Any] = field(default_factory=dict)
+    """Writer ``r``'s ``local`` for each ``r`` verified before the choice (this rank's writer, writer 0)."""
+    node_local: bool = False
+    """Read from this rank's node-local level: only ``locals`` are at hand, no other writer's files."""
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.opened.manifest
+
+    def local(self, rank: int) -> Any:
+        """Writer ``rank``'s ``local`` (``None`` when the checkpoint has no such writer); read
+        from storage, verified, when it was not verified at the choice."""
+        if rank >= self.manifest.world_size:
+            return None
+        if rank in self.locals:
+            return self.locals[rank]
+        if self.node_local:
+            raise CheckpointError(f"writer {rank}'s local state of {self.opened.dirname} is on its own node's level "
+                                  f"{self.level + 1}; after a restore from there only this rank's and writer 0's are "
+                                  "at hand (load that step from a shared level to read any)")
+        return read_local(self.storage, self.opened, rank)
+
+
 def local_ranks(rank: int, writers: int) -> list[int]:
     """The writers whose ``local`` rank ``rank`` uses: its own (when it had a writer) and writer 0."""
     return sorted({r for r in (0, rank) if r < writers})
@@ -57,35 +92,52 @@ def read_for_rank(storage: Storage, ck: Opened, rank: int, threads: int,
     return state, {r: read_local(storage, ck, r) for r in local_ranks(rank, ck.manifest.world_size)}
 
 
-def restore(storage: Storage, comm: Comm, step: int | None, fallback: bool, threads: int,
-            failures: list[str]) -> tuple[Opened, Any, dict[int, Any]]:
-    """Every rank: the newest checkpoint (or the newest attempt of ``step``) whose parts verify on
-    every rank, as ``(opened, state, locals)``; see the module docstring.
+def restore(storage: Storage, comm: Comm, step: int | None, fallback: bool, threads: int, failures: list[str], *,
+            rank: int | None = None, progress: bool = False) -> tuple[Any, Loaded]:
+    """Every rank of ``comm``: the newest checkpoint (or the newest attempt of ``step``) whose parts
+    verify on every rank, as ``(state, loaded)``; see the module docstring.
 
+    ``rank``: whose parts to read (default ``comm.rank``; ``load()`` passes its rank with a
+    :class:`LocalComm`). ``progress``: a byte progress bar on stderr (rank 0, when a terminal).
     Appends what failed to ``failures``. Without ``fallback`` the first failure raises on every
     rank: its own error where it failed, a :class:`CorruptionError` naming the others elsewhere.
+    Raises :class:`NoCheckpointError` when there is none.
     """
+    rank = comm.rank if rank is None else rank
     found = on_rank0(comm, lambda: manifest_dirs(storage, step))
     if not found:
-        which = "" if step is None else f" of step {step}"
-        raise NoCheckpointError(f"no committed checkpoint{which} at {storage.describe('')}")
+        which, steps = ("", "") if step is None else (f" of step {step}", f"; committed steps: {_steps(storage)}")
+        raise NoCheckpointError(f"no committed checkpoint{which} at {storage.describe('')}{steps}")
     for _, dirname in reversed(found):
         own: BaseException | None = None
         try:
-            opened = open_checkpoint(storage, dirname)
-            state, locals_ = read_for_rank(storage, opened, comm.rank, threads)
+            state, loaded = _read(storage, dirname, rank, threads, progress and rank == 0 and progress_wanted())
             report: dict[str, Any] = {"ok": True}
         except Exception as e:  # noqa: BLE001 - reported to the other ranks first, so that none waits forever
-            own, report = e, {"ok": False, "error": f"rank {comm.rank}: {e}",
+            own, report = e, {"ok": False, "error": f"rank {rank}: {e}",
                               "final": not isinstance(e, CheckpointError) or isinstance(e, NoCheckpointError)}
         reports = comm.all_gather(report) if comm.world_size > 1 else [report]
         bad = [r for r in reports if not r["ok"]]
         if not bad:
-            return opened, state, locals_
+            return state, loaded
         failures.extend(f"{dirname}: {r['error']}" for r in bad)
         if not fallback or any(r["final"] for r in bad):
             if own is not None:
                 raise own
             raise CorruptionError(f"{storage.describe(dirname)} failed on other ranks: "
                                   + "; ".join(r["error"] for r in bad))
-    raise CorruptionError(f"no checkpoint at {storage.describe('')} verifies on every rank: " + "; ".join(failures))
+    everywhere = " on every rank" if comm.world_size > 1 else ""
+    raise CorruptionError(f"no checkpoint at {storage.describe('')} verifies{everywhere}: " + "; ".join(failures))
+
+
+def _steps(storage: Storage) -> list[int]:
+    return [e.step for e in committed(storage)]
+
+
+def _read(storage: Storage, dirname: str, rank: int, threads: int, show: bool) -> tuple[Any, Loaded]:
+    """Open ``dirname`` and read the parts ``rank`` uses, each verified."""
+    opened = open_checkpoint(storage, dirname)
+    total = sum(e.nbytes for idx in opened.indexes for e in idx.entries if not e.local)
+    with Bar(total, f"load step {opened.manifest.step}", show) as bar:
+        state, locals_ = read_for_rank(storage, opened, rank, threads, bar.update if show else None)
+    return state, Loaded(opened, storage, locals=locals_)

@@ -11,29 +11,46 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from .cuda_copy import CudaCopy, Gather, Origin, queue
-from .format.manifest import ALIGN
-from .plan import Slice
+from .cuda_copy import CudaCopy, Gather, Origin, capture, queue
+from .format.manifest import ALIGN, Piece, TensorEntry
+from .plan import Plan, Slice, TensorMeta, make_plan
+from .values import Encoded, dtype_name
+
+if TYPE_CHECKING:
+    from .persist import SaveRecord
 
 PAGE = 4096
 """Host buffers start at a multiple of this (the block alignment direct I/O needs)."""
 
 
 @dataclass(frozen=True)
-class Piece:
-    """Where one slice lives in the rank's buffer and data file."""
+class SaveLayout:
+    """What one state signature (dtypes and shapes) gives on this rank: the plan, the tensor tables
+    of the manifest and index file, and where each piece goes in the buffer."""
 
-    local: bool
-    tensor: int
-    start: int
-    stop: int
-    offset: int
+    plan: Plan
+    tensors: tuple[TensorEntry, ...]
+    local_tensors: tuple[TensorEntry, ...]
+    pieces: tuple[Piece, ...]
     nbytes: int
+
+
+def save_layout(enc: Encoded, lenc: Encoded, rank: int, world_size: int) -> SaveLayout:
+    """Pure: the layout of ``enc`` (replicated, sliced) and ``lenc`` (``local``, whole) on ``rank``
+    (the same plan on every rank, no communication); callers cache it by signature."""
+    metas = [TensorMeta(dtype_name(t.dtype), tuple(t.shape), t.element_size()) for t in enc.tensors]
+    plan = make_plan(metas, world_size)
+    pieces, nbytes = layout(plan.slices_for(rank, metas), [m.itemsize for m in metas], lenc.tensors)
+    tensors = tuple(TensorEntry(m.dtype, m.shape, o, n) for m, o, n in zip(metas, plan.owner, enc.names))
+    local = tuple(TensorEntry(dtype_name(t.dtype), tuple(t.shape), rank, n) for t, n in zip(lenc.tensors, lenc.names))
+    return SaveLayout(plan, tensors, local, pieces, nbytes)
 
 
 def layout(state_slices: Sequence[Slice], state_itemsize: Sequence[int],
@@ -85,7 +102,8 @@ class BufferPool:
     """At most ``max_inflight`` buffers; a snapshot takes one, persist gives it back.
 
     Buffers are allocated on first use and reused while they are large enough, so steady-state
-    checkpointing allocates nothing. ``allocations`` counts the allocations made.
+    checkpointing allocates nothing. ``allocations`` counts the allocations made, ``waiting`` the
+    callers blocked in :meth:`acquire`.
     """
 
     def __init__(self, max_inflight: int) -> None:
@@ -96,6 +114,7 @@ class BufferPool:
         self._count = 0
         self._cond = threading.Condition()
         self.allocations = 0
+        self.waiting = 0
 
     def acquire(self, nbytes: int, pinned: bool, block: bool) -> HostBuffer | None:
         """A buffer of at least ``nbytes``; waits for one (``block``) or returns ``None``."""
@@ -103,7 +122,11 @@ class BufferPool:
             while not self._free and self._count >= self.max_inflight:
                 if not block:
                     return None
-                self._cond.wait()
+                self.waiting += 1
+                try:
+                    self._cond.wait()
+                finally:
+                    self.waiting -= 1
             if self._free:
                 fits = [b for b in self._free if b.capacity >= nbytes and b.pinned == pinned]
                 buf = fits[0] if fits else self._free[0]
@@ -191,3 +214,80 @@ def copy_into(buf: HostBuffer, plan: CopyPlan, origin: Origin | None) -> CudaCop
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return (t if t.is_contiguous() else t.contiguous()).reshape(-1)
+
+
+class Snapshots:
+    """The snapshot phase of one ``Checkpointer``, called from its training thread: the layout of
+    each state signature (cached), at most ``max_inflight`` host buffers (:attr:`pool`), and the
+    copies into them: on the calling thread, or deferred to one background thread."""
+
+    def __init__(self, rank: int, world_size: int, max_inflight: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.pool = BufferPool(max_inflight)
+        self._layouts: dict[tuple, SaveLayout] = {}
+        self._thread: ThreadPoolExecutor | None = None
+
+    def plan(self, enc: Encoded, lenc: Encoded) -> tuple[SaveLayout, CopyPlan]:
+        """The layout of this state signature and how this state's pieces are copied."""
+        key = (tuple((t.dtype, t.shape) for t in enc.tensors), tuple((t.dtype, t.shape) for t in lenc.tensors))
+        lay = self._layouts.get(key)
+        if lay is None:
+            lay = self._layouts[key] = save_layout(enc, lenc, self.rank, self.world_size)
+        return lay, plan_copy(lay.pieces, lay.nbytes, enc.tensors, lenc.tensors)
+
+    def take(self, buf: HostBuffer, plan: CopyPlan, record: SaveRecord,
+             defer: bool) -> "Future[CudaCopy | None] | None":
+        """Copy into ``buf`` now (CUDA: the caller's streams ordered after the copy), or, with
+        ``defer``, on the background thread: its future is returned (see :class:`SaveHandle`)."""
+        origin = capture(plan.devices)  # here, on the caller's thread: its current streams
+        if defer:
+            if self._thread is None:
+                self._thread = ThreadPoolExecutor(1, thread_name_prefix="ckpt-snapshot")
+            return self._thread.submit(_timed_copy, buf, plan, origin, record)
+        copy = _timed_copy(buf, plan, origin, record)
+        if copy is not None:
+            copy.order()
+        return None
+
+    def close(self) -> None:
+        """After the last ``take``: end the background thread."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+
+
+def _timed_copy(buf: HostBuffer, plan: CopyPlan, origin: Origin | None, record: SaveRecord) -> CudaCopy | None:
+    start, cpu = time.perf_counter(), time.thread_time()
+    copy = copy_into(buf, plan, origin)
+    record.snapshot_s, record.snapshot_cpu_s = time.perf_counter() - start, time.thread_time() - cpu
+    return copy
+
+
+class SaveHandle:
+    """Returned by :meth:`Checkpointer.save`; ``wait_snapshot()`` before mutating the state."""
+
+    def __init__(self, record: SaveRecord, snapshot: "Future[CudaCopy | None] | None") -> None:
+        self.record = record
+        self._snapshot = snapshot
+
+    @property
+    def step(self) -> int:
+        return self.record.step
+
+    def snapshot_done(self) -> bool:
+        """Whether ``wait_snapshot()`` would not block (always true for a non-deferred save): the
+        CPU copies are done and the CUDA copies queued (they may still run on the device)."""
+        return self._snapshot is None or self._snapshot.done()
+
+    def wait_snapshot(self) -> None:
+        """Return when the state may be mutated again (re-raises a failed copy).
+
+        CPU tensors: their copy is done. CUDA tensors: a CUDA tensor is only ever mutated by work
+        queued on a stream, so no host sync is needed: the caller's stream of the ``save()`` call
+        (and the current stream, if another) is made to wait on the copy-done event, and work
+        queued on it afterwards (the optimizer step) cannot overtake the copy. Work on any other
+        stream must be ordered after that one (``wait_stream``) before it writes the state.
+        """
+        if self._snapshot is not None:
+            copy = self._snapshot.result()
+            if copy is not None:
+                copy.order()

@@ -12,14 +12,20 @@ the real ones do, so a value that would not cross a real communicator fails here
 * :class:`ThreadComm` with :func:`run_ranks` — each rank on a thread of its own, with real
   rendezvous: every collective works (``restore()``, ``agree``), in the same order on every rank.
 
-Storages are the real :class:`~ckpt_engine.storage.Storage` (any fsspec URL) with one fault
-injected into the writes of data files, inside the real write path:
+Storages are the real :class:`~ckpt_engine.storage.Storage` (any fsspec URL: ``FailingStorage(url)``
+is the local or the fsspec implementation with the fault on top) with one fault injected into the
+writes of data files, inside the real write path:
 
 * :class:`FailingStorage` — a write of a file whose name contains ``fail_on`` breaks after half of
   its bytes with ``ENOSPC`` (a disk that fills up, a connection that drops mid-write);
 * :class:`SlowStorage` — each data-file write first sleeps ``delay`` seconds (a slow disk or remote
   level), counting concurrent writers;
 * :class:`GatedStorage` — each data-file write waits until ``gate`` is set (a level that hangs).
+
+A fault of your own: subclass ``Storage`` (or one of these), override the operation and call
+``super()`` for the real one; raise from inside :meth:`~ckpt_engine.storage.Storage.run` (e.g.
+``return self.run("write", rel, fail)``) to fail exactly as a backend error does (a
+``StorageError`` naming the action and the path, the original error as its cause).
 """
 
 from __future__ import annotations

@@ -36,6 +36,10 @@ import torch
 
 from .errors import FormatError, UnsupportedValueError
 
+__all__ = ["JSON", "TORCH_DTYPES", "MAX_DEPTH", "MAX_NDIM", "Encoded", "encode", "dtype_name", "parse_dtype",
+           "tensor_refusal", "decode", "check_tree"]
+"""The writing side here and, re-exported from :mod:`.decode`, the reading side."""
+
 JSON = Any
 
 #: dtypes a checkpoint may name; a manifest naming anything else is rejected (no getattr on torch).
@@ -251,5 +255,5 @@ def _has_storage(t: torch.Tensor) -> bool:
         return False
 
 
-# The reading side (typed JSON back to values, safe on hostile input) lives in decode.py.
-from .decode import check_tree, decode  # noqa: E402,F401  (re-exported: callers import them from here)
+# The reading side (typed JSON back to values, safe on hostile input) lives in decode.py (re-exported, __all__).
+from .decode import check_tree, decode  # noqa: E402

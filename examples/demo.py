@@ -526,8 +526,8 @@ def lightning_main(argv: list[str]) -> int:
         print(indent(ckpt_cli("ls", ck_b)))
         rows_b = read_figures(ck_b)
 
-        banner(f"(c) the same command again in (b)'s directory: resume=auto continues from the newest committed "
-               f"checkpoint")
+        banner("(c) the same command again in (b)'s directory: resume=auto continues from the newest committed "
+               "checkpoint")
         res = run_lightning(dir_b, "c", args.steps, {"CKPT_DEMO_WEIGHTS": final_c})
         if res.returncode:
             lightning_failed(res, "c")

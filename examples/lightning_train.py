@@ -28,13 +28,13 @@ from torch.utils.data import DataLoader, Dataset
 # The callback works with either Lightning distribution; this script takes the unified `lightning`
 # package when it is installed, or `pytorch_lightning` when it is not (or when
 # LIGHTNING_PACKAGE=pytorch_lightning asks for it, as the tests do to run it under both).
-if os.environ.get("LIGHTNING_PACKAGE") != "pytorch_lightning":
-    try:
-        import lightning.pytorch as pl
-        from lightning.pytorch.cli import LightningCLI
-    except ImportError:
-        os.environ["LIGHTNING_PACKAGE"] = "pytorch_lightning"
-if os.environ.get("LIGHTNING_PACKAGE") == "pytorch_lightning":
+try:
+    if os.environ.get("LIGHTNING_PACKAGE") == "pytorch_lightning":
+        raise ImportError("LIGHTNING_PACKAGE=pytorch_lightning")
+    import lightning.pytorch as pl
+    from lightning.pytorch.cli import LightningCLI
+except ImportError:
+    os.environ["LIGHTNING_PACKAGE"] = "pytorch_lightning"
     import pytorch_lightning as pl
     from pytorch_lightning.cli import LightningCLI
 

@@ -77,6 +77,18 @@ def changed_message(restored: Hparams, script: Hparams, saved_world: int, world:
             "optimizer_hparams='script' to keep the script's values (the optimizer state stays restored)")
 
 
+def after_restore(choice: OptimizerHparams, optimizer: Any, scheduler: Any, script: Hparams | None,
+                  saved_world: int, world: int, rank: int) -> str | None:
+    """Once the optimizer state is loaded (``script``: the values the script had set before):
+    ``"script"`` puts them back; ``"checkpoint"`` returns rank 0's warning, if one is due."""
+    if script is None:
+        return None
+    if choice == "script":
+        put_back(optimizer, scheduler, script)
+        return None
+    return changed_message(Hparams.of(optimizer, scheduler), script, saved_world, world) if rank == 0 else None
+
+
 def put_back(optimizer: Any, scheduler: Any, script: Hparams) -> None:
     """``"script"``: the script's values over the restored ones (see the module docstring)."""
     restored_base = getattr(scheduler, "base_lrs", None)

@@ -6,7 +6,8 @@
 * per rank (each rank stores its own whole): model buffers (BatchNorm statistics are updated on
   each rank's own data), per-rank extra objects, the RNG states, the data position.
 
-Shared by :class:`~horovod_ckpt.HorovodCheckpointer` and the elastic state.
+The objects :class:`~horovod_ckpt.HorovodCheckpointer` tracks; a module is split by the core's
+:func:`~ckpt_engine.training.parts.split_weights`, and the RNG states are added by the training session.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt_engine.errors import CheckpointError
+from ckpt_engine.training.parts import split_weights
 
 
 @dataclass
@@ -44,16 +46,14 @@ class Tracked:
 
     def capture(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """``(replicated, per_rank)`` state dictionaries of every tracked object."""
-        weights = self.model.state_dict()
-        buffers = {name for name, _ in self.model.named_buffers()}
+        weights, buffers = split_weights(self.model.state_dict(), (name for name, _ in self.model.named_buffers()))
         replicated = {
-            "model": {k: v for k, v in weights.items() if k not in buffers},
+            "model": weights,
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "extra": {k: v.state_dict() for k, v in self.extra.items()},
         }
-        per_rank = {"buffers": {k: v.detach().clone() for k, v in weights.items() if k in buffers},
-                    "extra": {k: v.state_dict() for k, v in self.extra_local.items()}}
+        per_rank = {"buffers": buffers, "extra": {k: v.state_dict() for k, v in self.extra_local.items()}}
         return replicated, per_rank
 
     def apply(self, replicated: dict[str, Any], per_rank: dict[str, Any] | None) -> None:

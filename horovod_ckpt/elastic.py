@@ -36,12 +36,14 @@ import torch
 from horovod.torch.elastic import TorchState
 
 from ckpt_engine import Checkpointer
+from ckpt_engine.config import UNSET, resolve_config
 from ckpt_engine.errors import NoCheckpointError
-from ckpt_engine.training.resumable import rng_state
-from ckpt_engine.training.schedule import Schedule
+from ckpt_engine.training.parts import Parts, split_weights
+from ckpt_engine.training.session import TrainingSession
 
 from .comm import HorovodComm
-from .hook import _UNSET, given_flags, make_checkpointer, resolve_config
+
+_TRIGGERS = ("every_n_steps", "every_seconds", "overhead_budget")
 
 
 class DurableTorchState(TorchState):
@@ -59,20 +61,18 @@ class DurableTorchState(TorchState):
     def __init__(self, path: str | None = None, model: Any = None, optimizer: Any = None, *,
                  config: Any = None, every_n_steps: int | None = None, every_seconds: float | None = None,
                  overhead_budget: float | None = None, max_interval: float | None = None,
-                 keep_last: int | None = _UNSET, levels: list[Any] | None = None,
+                 keep_last: int | None = UNSET, levels: list[Any] | None = None,
                  storage_options: dict[str, Any] | None = None, commit_timeout: float = 120.0,
                  **kwargs: Any) -> None:
         flags = {"path": path, "every_n_steps": every_n_steps, "every_seconds": every_seconds,
                  "overhead_budget": overhead_budget, "max_interval": max_interval, "keep_last": keep_last,
                  "levels": levels, "storage_options": storage_options}
-        given = given_flags(flags)
-        if not any(k in given for k in ("every_n_steps", "every_seconds", "overhead_budget")) and config is None:
-            given["every_n_steps"] = 1
-        self._durable_config = resolve_config(config, given)
+        if config is None and all(flags[k] is None for k in _TRIGGERS):
+            flags["every_n_steps"] = 1
+        self._durable_config = resolve_config(config, flags)
         self._durable_policy = self._durable_config.policy()
         self._commit_timeout = commit_timeout
-        self._ck: Checkpointer | None = None
-        self._schedule: Schedule | None = None
+        self._session: TrainingSession | None = None
         self._world: tuple[int, int] | None = None
         self._restored_once = False
         self._retiring: list[threading.Thread] = []
@@ -84,7 +84,7 @@ class DurableTorchState(TorchState):
 
     # ---- the elastic protocol ----------------------------------------------------------------
     def sync(self) -> None:
-        self._ensure_checkpointer()
+        self._ensure_session()
         if not self._restored_once:
             self._restored_once = True
             self._restore_durable()
@@ -101,84 +101,81 @@ class DurableTorchState(TorchState):
 
     def close(self) -> None:
         """Wait for every pending durable checkpoint, then stop (every worker)."""
-        if self._ck is not None:
-            self._ck.close()
-            self._ck = None
+        if self._session is not None:
+            self._session.close()
+            self._session = None
         for t in self._retiring:
             t.join()
         self._retiring = []
 
     # ---- durable checkpoints -----------------------------------------------------------------
-    def _ensure_checkpointer(self) -> None:
+    def _ensure_session(self) -> TrainingSession:
         world = (hvd.rank(), hvd.size())
-        if self._ck is not None and self._world == world:
-            return
+        if self._session is not None and self._world == world:
+            return self._session
         self._retire()
         comm = HorovodComm(prefix="ckpt.elastic")
-        self._ck = make_checkpointer(self._durable_config, comm, commit_timeout=self._commit_timeout)
-        self._schedule = Schedule(self._durable_policy, self._ck)
-        self._world = world
+        session = TrainingSession(self._durable_config, self._capture, name="DurableTorchState",
+                                  policy=self._durable_policy, commit_timeout=self._commit_timeout)
+        session.start(comm)
+        self._session, self._world = session, world
         # Every worker counts commits from the same number (a worker that joined late has none).
         self.durable_step = int(comm.broadcast(self.durable_step))
+        return session
 
     def _retire(self) -> None:
-        old, self._ck, self._schedule, self._world = self._ck, None, None, None
+        old, self._session, self._world = self._session, None, None
         if old is not None:
             t = threading.Thread(target=_close_quietly, args=(old,), name="ckpt-elastic-retire", daemon=True)
             t.start()
             self._retiring.append(t)
 
     def _restore_durable(self) -> None:
-        assert self._ck is not None
         # Every worker takes part (a collective: the newest checkpoint that verifies everywhere,
         # falling back past damaged ones; failures raised on every worker); the inherited sync()
         # that follows broadcasts rank 0's state anyway, as after any elastic reset.
         try:
-            restored = self._ck.restore()
+            resumed = self._ensure_session().restore()
         except NoCheckpointError:
             return
-        state, local, step = restored.state, restored.first, restored.step
         for name, handler in self._handlers.items():
-            saved = state["objects"][name]
+            saved = resumed.replicated["objects"][name]
             if isinstance(handler.value, torch.nn.Module):
-                saved = {**saved, **local["buffers"].get(name, {})}
+                saved = {**saved, **resumed.first["buffers"].get(name, {})}
             handler.value.load_state_dict(saved)
-        for name, value in state["attrs"].items():
+        for name, value in resumed.replicated["attrs"].items():
             if name in self._saved_state:
                 setattr(self, name, value)
         self.save()
-        self.durable_step = self.restored_step = int(step)
+        self.durable_step = self.restored_step = resumed.step
 
     def _durable_save(self) -> None:
-        self._ensure_checkpointer()
-        assert self._ck is not None and self._schedule is not None
+        session = self._ensure_session()
         self.durable_step += 1
-        if not self._schedule.should_save(self.durable_step):
-            return
+        if session.due(self.durable_step):
+            session.save(self.durable_step)
+
+    def _capture(self) -> Parts:
         objects: dict[str, Any] = {}
         buffers: dict[str, Any] = {}
         for name, handler in self._handlers.items():
             value = handler.value
             if isinstance(value, torch.nn.Module):
-                weights = value.state_dict()
-                own = {n for n, _ in value.named_buffers()}
-                objects[name] = {k: v for k, v in weights.items() if k not in own}
-                buffers[name] = {k: v.detach().clone() for k, v in weights.items() if k in own}
+                objects[name], buffers[name] = split_weights(value.state_dict(), (n for n, _ in value.named_buffers()))
             elif value is not None:
                 objects[name] = value.state_dict()
-        state = {"objects": objects, "attrs": dict(self._saved_state), "step": self.durable_step}
-        self._ck.save(state, self.durable_step, {"buffers": buffers, "rng": rng_state()})
-        self._schedule.saved(self.durable_step)
+        return Parts({"objects": objects, "attrs": dict(self._saved_state), "step": self.durable_step},
+                     {"buffers": buffers})
 
     @property
     def checkpointer(self) -> Checkpointer | None:
         """The engine's checkpointer for the current workers (records, counters)."""
-        return self._ck
+        return self._session.ck if self._session is not None else None
 
 
-def _close_quietly(ck: Checkpointer) -> None:
+def _close_quietly(session: TrainingSession) -> None:
     try:
-        ck.close()
+        session.close()
     except Exception as e:  # noqa: BLE001 - a retired checkpointer's failure only loses its own save
         warnings.warn(f"horovod_ckpt: a checkpoint of the previous set of workers did not commit: {e}",
                       stacklevel=1)

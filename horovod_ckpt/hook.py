@@ -11,8 +11,10 @@ Order of calls, on every rank, from the training thread::
             ck.after_step()       # collective-free except once per checkpoint (rank 0 decides)
     ck.close()                    # final checkpoint, then waits for pending persists
 
-Every rank snapshots and writes its own slices (no rank-0 bottleneck); see ``_state`` for what is
-replicated and what is per rank. The sampler is made resumable in place
+The hook finds the state (``_state``: what is replicated, what is per rank) and the step boundary
+(``after_step``); the core's :class:`~ckpt_engine.training.session.TrainingSession` decides, saves
+(every rank its own slices: no rank-0 bottleneck), restores, and takes the final and preemption
+checkpoints. The sampler is made resumable in place
 (:func:`ckpt_engine.training.resumable.make_resumable`): the DataLoader keeps using the same object, and
 after ``restore()`` its next iteration yields exactly the unseen rest of the interrupted epoch,
 re-split across the ranks when their number changed.
@@ -20,30 +22,23 @@ re-split across the ranks when their number changed.
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from typing import Any, Callable, Iterator, Mapping
 
-import yaml
-
-from ckpt_engine import Checkpointer, CheckpointError
+from ckpt_engine import CheckpointError
 from ckpt_engine.agree import on_every_rank
-from ckpt_engine.errors import NoCheckpointError
-from ckpt_engine.restore_agreed import Restored
 from ckpt_engine.comm import Comm
-from ckpt_engine.config import CheckpointConfig
-from ckpt_engine.training.figures import FigureReporter
-from ckpt_engine.training.resumable import make_resumable, rng_state, set_rng_state
-from ckpt_engine.training.schedule import Schedule
+from ckpt_engine.config import UNSET, resolve_config
+from ckpt_engine.errors import NoCheckpointError
+from ckpt_engine.training.parts import Parts, Resumed
+from ckpt_engine.training.position import read_position
+from ckpt_engine.training.resumable import make_resumable, set_rng_state
+from ckpt_engine.training.session import TrainingSession
 
-from . import _hparams
+from . import _hparams, _preempt
 from ._hparams import Hparams, OptimizerHparams
-from ._preempt import PreemptionWatch
 from ._state import Tracked
-from .comm import HorovodComm, import_horovod
-
-_UNSET: Any = object()
-DEFAULT_KEEP_LAST = 3
+from .comm import HorovodComm
 
 
 class HorovodCheckpointer:
@@ -54,7 +49,7 @@ class HorovodCheckpointer:
         model, optimizer, scheduler: what to checkpoint (``hvd.DistributedOptimizer`` included).
         sampler: the train sampler (typically a ``DistributedSampler``); made resumable in place.
         batch_size: per-rank batch size; optional (learned from the DataLoader's pulls otherwise,
-            see :meth:`ckpt_engine.training.resumable.InPlaceResumable.note_step`).
+            see :meth:`ckpt_engine.training.resumable.ResumableSampler.note_step`).
         config: a YAML file (or mapping, or ``CheckpointConfig``) of the core's flags; keyword
             flags given here win over it.
         every_n_steps / every_seconds / overhead_budget / max_interval / keep_last / levels /
@@ -81,7 +76,7 @@ class HorovodCheckpointer:
                  scheduler: Any = None, batch_size: int | None = None, config: Any = None,
                  every_n_steps: int | None = None, every_seconds: float | None = None,
                  overhead_budget: float | None = None, max_interval: float | None = None,
-                 keep_last: int | None = _UNSET, levels: list[Any] | None = None,
+                 keep_last: int | None = UNSET, levels: list[Any] | None = None,
                  storage_options: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None,
                  save_on_sigterm: bool = True, final_checkpoint: bool = True,
                  on_figures: Callable[[dict[str, Any]], None] | None = None, max_inflight: int = 1,
@@ -91,16 +86,17 @@ class HorovodCheckpointer:
         flags = {"path": path, "every_n_steps": every_n_steps, "every_seconds": every_seconds,
                  "overhead_budget": overhead_budget, "max_interval": max_interval, "keep_last": keep_last,
                  "levels": levels, "storage_options": storage_options}
-        self.config = resolve_config(config, given_flags(flags))
+        self.config = resolve_config(config, flags)
         self.policy = self.config.policy()
         self.tracked = Tracked(model, optimizer, scheduler, dict(extra or {}))
         self.sampler = make_resumable(sampler, batch_size) if sampler is not None else None
         self.final_checkpoint, self.on_figures = final_checkpoint, on_figures
         self.comm: Comm = comm if comm is not None else HorovodComm()
-        self.ck = make_checkpointer(self.config, self.comm, max_inflight=max_inflight, commit_timeout=commit_timeout)
-        self.schedule = Schedule(self.policy, self.ck)
-        hvd = import_horovod() if save_on_sigterm and self.comm.world_size > 1 else None
-        self._preempt = PreemptionWatch(hvd, self.comm.world_size, "ckpt.sigterm", enabled=save_on_sigterm)
+        self.session = TrainingSession(self.config, self._capture, name="HorovodCheckpointer", policy=self.policy,
+                                       max_inflight=max_inflight, commit_timeout=commit_timeout,
+                                       on_figures=lambda row: self.on_figures(row) if self.on_figures else None)
+        stop = _preempt.agreement(self.comm.world_size) if save_on_sigterm else None
+        self.ck = self.session.start(self.comm, stop=stop)
         self.step = 0
         self.epoch = 0
         """After :meth:`restore`: the epoch to run next (the interrupted one, or the next when
@@ -114,9 +110,8 @@ class HorovodCheckpointer:
         self.resumed_from: int | None = None
         self._loop: dict[str, Any] | None = None  # while epochs() drives the loop: see loop_state()
         self._resume_epoch: int | None = None     # after restore(): the script's next epoch, when known
-        self._last_saved: int | None = None
-        self._figures = FigureReporter(self.ck, self.policy)  # rank 0: saves and flushes not yet reported
         self._closed = False
+        self.session.begin()  # SIGTERM handler (main thread)
 
     @property
     def rank(self) -> int:
@@ -142,47 +137,30 @@ class HorovodCheckpointer:
         """
         self._check_open()
         try:  # the newest checkpoint (or step's) that verifies on every rank, all parts this rank reads
-            restored = self.ck.restore(step)
+            resumed = self.session.restore(step)
         except NoCheckpointError:
             return 0
-        warning = on_every_rank(self.comm, lambda: self._apply_restored(restored))
+        warning = on_every_rank(self.comm, lambda: self._apply_restored(resumed))
         if warning:
             warnings.warn(warning, stacklevel=2)
         return self.step
 
-    def _apply_restored(self, restored: Restored) -> str | None:
+    def _apply_restored(self, resumed: Resumed) -> str | None:
         """This rank's part of :meth:`restore`; returns rank 0's hyper-parameter warning, if any."""
         optimizer, scheduler = self.tracked.optimizer, self.tracked.scheduler
         script = Hparams.of(optimizer, scheduler) if optimizer is not None else None
-        state, own = restored.state, restored.local
-        mine = own if own is not None else restored.first
+        state, mine = resumed.replicated, resumed.per_rank  # writer 0's per-rank part on a rank that had none
         self.tracked.apply(state["objects"], mine["objects"])
-        self.policy.load_state_dict(state.get("policy") or {})
-        self.step = self.resumed_from = self._last_saved = int(state["step"])
-        rng = own["rng"] if own is not None else None
-        if rng is not None:
-            set_rng_state(rng)
-        self._resume_data(mine.get("data"), rng, state.get("loop"))
-        self.schedule.restart_clock()
-        return self._hparams_after_restore(script)
+        self.step = self.resumed_from = int(state["step"])
+        if resumed.rng is not None:
+            set_rng_state(resumed.rng)
+        self._resume_data(mine.get("data"), resumed.rng, state.get("loop"))
+        return _hparams.after_restore(self.optimizer_hparams, optimizer, scheduler, script,
+                                      resumed.manifest.world_size, self.world_size, self.rank)
 
-    def _hparams_after_restore(self, script: Hparams | None) -> str | None:
-        """``"script"``: put the script's values back; ``"checkpoint"``: rank 0's warning, if due."""
-        if script is None:
-            return None
-        optimizer, scheduler = self.tracked.optimizer, self.tracked.scheduler
-        if self.optimizer_hparams == "script":
-            _hparams.put_back(optimizer, scheduler, script)
-            return None
-        manifest = self.ck.loaded_manifest
-        if self.rank != 0 or manifest is None:
-            return None
-        return _hparams.changed_message(Hparams.of(optimizer, scheduler), script, manifest.world_size,
-                                        self.world_size)
-
-    def _resume_data(self, pos: dict[str, Any] | None, rng: dict[str, Any] | None,
+    def _resume_data(self, data: dict[str, Any] | None, rng: dict[str, Any] | None,
                      loop: dict[str, Any] | None) -> None:
-        sampler_epoch = None
+        sampler_epoch, pos = None, read_position(data)  # any version this code wrote
         if pos is not None and self.sampler is not None:
             # Between restore() and the resumed iteration the DataLoader draws its own seed from the
             # global RNG (at iter()); the uninterrupted run had no such draw mid-epoch, so the
@@ -190,7 +168,7 @@ class HorovodCheckpointer:
             on_start = (lambda: set_rng_state(rng)) if rng is not None else None
             sampler_epoch, done = self.sampler.resume_at(pos, on_start)
             self.samples_in_epoch = done if pos["mode"] == "global" else done * self.world_size
-            bs = pos.get("batch_size") or 0
+            bs = pos["batch_size"] or 0
             self.batch_in_epoch = self.samples_in_epoch // (self.world_size * bs) if bs else 0
         self._resume_epoch = next_epoch(loop, sampler_epoch)
         if self._resume_epoch is not None:
@@ -232,48 +210,33 @@ class HorovodCheckpointer:
         if self.sampler is not None:
             self.sampler.note_step()
             if self._loop is None:
-                self.epoch = self.sampler._ckpt_epoch
-        preempted = self._preempt.agreed()
-        due = self.schedule.should_save(self.step)
-        if due or preempted:
-            self._save()
-            self.schedule.saved(self.step)
-        self._report()
-        if preempted:
-            self.ck.wait()
-            self._report()
-            self._preempt.reraise()
-        return due or preempted
+                self.epoch = self.sampler.running_epoch
+        due = self.session.due(self.step)
+        if due:
+            self.session.save(self.step)
+        self.session.report()
+        if self.session.preempted():
+            self.session.stop(self.step)  # a final checkpoint here unless taken, committed
+            _preempt.end_by_sigterm()
+            return True
+        return due
 
     def save(self) -> None:
         """Checkpoint the current step now (every rank, at the same step)."""
         self._check_open()
-        if self._last_saved != self.step:
-            self._save()
+        if self.session.last_saved != self.step:
+            self.session.take(self.step)
 
     def wait(self) -> None:
         """Block until every pending checkpoint is committed (re-raises a background failure)."""
         self._check_open()
         self.ck.wait()
-        self._report()
+        self.session.report()
 
-    def _save(self) -> None:
+    def _capture(self) -> Parts:
         replicated, per_rank = self.tracked.capture()
-        state = {"objects": replicated, "step": self.step, "policy": self.policy.state_dict(), "loop": self._loop}
-        local = {"objects": per_rank, "rng": rng_state(),
-                 "data": self.sampler.data_position() if self.sampler is not None else None}
-        self.ck.save(state, self.step, local)
-        self._last_saved = self.step
-        if self.rank == 0 and self.ck.records:
-            self._figures.track(self.ck.records[-1])
-
-    # ---- figures ------------------------------------------------------------------------------
-    def _report(self) -> None:
-        if self.rank != 0:
-            return
-        for row in self._figures.collect():
-            if self.on_figures is not None:
-                self.on_figures(row)
+        return Parts({"objects": replicated, "step": self.step, "loop": self._loop},
+                     {"objects": per_rank, "data": self.sampler.data_position() if self.sampler is not None else None})
 
     @property
     def records(self) -> list[Any]:
@@ -287,21 +250,20 @@ class HorovodCheckpointer:
         if self._closed:
             return
         try:
-            if (self.final_checkpoint if final is None else final) and self.step not in (self._last_saved, 0):
-                self._save()
-            self._preempt.finish()
-            self.ck.close()
-            self._report()
+            self.session.finish(self.step, final=self.final_checkpoint if final is None else final)
         finally:
             self._closed = True
-            self._preempt.uninstall()
+            self.session.close()
 
     def __enter__(self) -> "HorovodCheckpointer":
         return self
 
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        # After an exception the ranks may not be at the same step: no final checkpoint then.
-        self.close(final=None if exc_type is None else False)
+    def __exit__(self, exc_type: Any, exc: Any, *tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        elif not self._closed:  # the ranks may not be at the same step: no final checkpoint
+            self._closed = True
+            self.session.abort(self.step, exc, final=False)  # warns: the exception stays the one raised
 
     def _check_open(self) -> None:
         if self._closed:
@@ -313,7 +275,7 @@ def loop_state(epoch: int, sampler: Any) -> dict[str, Any]:
     ``epoch``, whether its body ``ended`` (set when the loop moves on; only the last epoch's is
     ever saved so), and ``offset``, the script's number minus the sampler's (0 when ``epochs()``
     sets the sampler's epoch; else the sampler counts its own iterations), ``None`` without one."""
-    offset = epoch - sampler._ckpt_next_epoch() if sampler is not None else None
+    offset = epoch - sampler.next_epoch if sampler is not None else None
     return {"epoch": epoch, "ended": False, "offset": offset}
 
 
@@ -326,41 +288,3 @@ def next_epoch(loop: dict[str, Any] | None, sampler_epoch: int | None) -> int | 
     if loop is not None:
         return int(loop["epoch"]) + (1 if loop["ended"] else 0)
     return None
-
-
-def make_checkpointer(config: CheckpointConfig, comm: Comm, **kwargs: Any) -> Checkpointer:
-    """The engine's checkpointer for ``config`` (one path or ``levels``)."""
-    return Checkpointer.from_config(config, comm=comm, **kwargs)
-
-
-def given_flags(flags: dict[str, Any]) -> dict[str, Any]:
-    """The flags a caller actually gave: ``None`` is "not given", except ``keep_last=None``
-    (keep every checkpoint)."""
-    return {k: v for k, v in flags.items() if v is not _UNSET and (v is not None or k == "keep_last")}
-
-
-def resolve_config(config: Any, given: dict[str, Any]) -> CheckpointConfig:
-    """The core's configuration from ``config`` (YAML path, mapping or ``CheckpointConfig``) with
-    the keyword flags in ``given`` on top; ``keep_last`` defaults to 3 when neither sets it (set
-    before validation, so that it is also the default of every level)."""
-    if isinstance(config, CheckpointConfig):
-        return dataclasses.replace(config, **given) if given else config
-    default = {"keep_last": DEFAULT_KEEP_LAST}
-    if isinstance(config, Mapping):
-        values = {**config, **given}
-        return CheckpointConfig.from_dict({**default, **values} if "keep_last" not in values else values)
-    if config is not None:
-        mentioned = set(given) | _yaml_keys(str(config))
-        return CheckpointConfig.from_yaml(str(config), **given, **({} if "keep_last" in mentioned else default))
-    return CheckpointConfig(**{**default, **given})
-
-
-def _yaml_keys(file: str) -> set[str]:
-    """The top-level keys of a YAML mapping; empty when it cannot be read (``from_yaml`` then
-    reports why)."""
-    try:
-        with open(file, encoding="utf-8") as f:
-            values = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError):
-        return set()
-    return set(values) if isinstance(values, dict) else set()

@@ -6,7 +6,7 @@ import re
 from datetime import timedelta
 from typing import Any, Optional
 
-from ckpt_engine.config import CheckpointConfig, ConfigError
+from ckpt_engine.config import CheckpointConfig, ConfigError, resolve_config
 
 ALIASES = (("path", "dirpath"), ("every_n_steps", "every_n_train_steps"), ("every_seconds", "train_time_interval"))
 """The core's flag names and the Lightning ones the callback accepts for them (``ModelCheckpoint``'s)."""
@@ -24,13 +24,13 @@ def build_config(*, path: Optional[str], dirpath: Optional[str], every_n_steps: 
         else train_time_interval
     given = {"path": dirpath, "every_n_steps": every_n_train_steps, "every_seconds": interval}
     aliases = {core: alias for core, alias in ALIASES if given[core] is not None}
+    flags = {"path": _one_of("path", path, "dirpath", dirpath),
+             "every_n_steps": _one_of("every_n_steps", every_n_steps, "every_n_train_steps", every_n_train_steps),
+             "every_seconds": _one_of("every_seconds", every_seconds, "train_time_interval", interval),
+             "overhead_budget": overhead_budget, "max_interval": max_interval, "keep_last": keep_last,
+             "levels": levels, "storage_options": storage_options}
     try:
-        return CheckpointConfig(
-            path=_one_of("path", path, "dirpath", dirpath),
-            every_n_steps=_one_of("every_n_steps", every_n_steps, "every_n_train_steps", every_n_train_steps),
-            every_seconds=_one_of("every_seconds", every_seconds, "train_time_interval", interval),
-            overhead_budget=overhead_budget, max_interval=max_interval, keep_last=keep_last,
-            levels=tuple(levels) if levels is not None else None, storage_options=dict(storage_options or {}))
+        return resolve_config(None, flags)
     except ConfigError as error:
         raise ConfigError(_in_user_words(str(error), aliases)) from None
 

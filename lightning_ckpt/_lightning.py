@@ -37,16 +37,19 @@ def installed() -> tuple[ModuleType, ...]:
     return tuple(found)
 
 
+def resolve(package: ModuleType, dotted: str) -> Any:
+    """``package``'s object at the dotted path ``dotted`` (``"utilities.rank_zero"``,
+    ``"callbacks.Callback"``), importing the submodules on the way."""
+    obj: Any = package
+    for part in dotted.split("."):
+        obj = getattr(obj, part) if hasattr(obj, part) else importlib.import_module(f"{obj.__name__}.{part}")
+    return obj
+
+
 def bases(attribute: str) -> tuple[type, ...]:
     """The class ``attribute`` (a dotted path such as ``"callbacks.Callback"``) of every installed
     distribution, to derive from all of them at once."""
-    out = []
-    for package in installed():
-        obj: Any = package
-        for part in attribute.split("."):
-            obj = getattr(obj, part) if hasattr(obj, part) else importlib.import_module(f"{obj.__name__}.{part}")
-        out.append(obj)
-    return tuple(out)
+    return tuple(resolve(package, attribute) for package in installed())
 
 
 def of(obj: Any) -> ModuleType:
@@ -60,21 +63,33 @@ def of(obj: Any) -> ModuleType:
                     f"distribution installed here ({', '.join(p.__name__ for p in installed())})")
 
 
+_SIGTERM = "utilities.exceptions.SIGTERMException"
+
+
 def sigterm_exception(trainer: Any) -> type[BaseException]:
     """The ``SIGTERMException`` of the trainer's distribution."""
-    return importlib.import_module(of(trainer).__name__ + ".utilities.exceptions").SIGTERMException
+    return resolve(of(trainer), _SIGTERM)
 
 
 def sigterm_exceptions() -> tuple[type[BaseException], ...]:
     """Every installed distribution's ``SIGTERMException`` (for ``isinstance``)."""
-    return tuple(importlib.import_module(p.__name__ + ".utilities.exceptions").SIGTERMException for p in installed())
+    return tuple(resolve(package, _SIGTERM) for package in installed())
 
 
 def notice(trainer: Any, message: str, warn: bool = False) -> None:
     """Say ``message`` once per job (rank 0) through the trainer's distribution: a log line, or a
     warning when it is about work that will not be resumed."""
-    rank_zero = importlib.import_module(of(trainer).__name__ + ".utilities.rank_zero")
+    rank_zero = resolve(of(trainer), "utilities.rank_zero")
     (rank_zero.rank_zero_warn if warn else rank_zero.rank_zero_info)(message)
+
+
+def log_figures(logger: Any, row: dict[str, Any]) -> None:
+    """Rank 0: one finished save's (``ckpt/stall_ms``...) or flush's (``ckpt/level2_...``) figures
+    to the trainer's ``logger`` (``None``: nothing)."""
+    if logger is not None:
+        prefix = "ckpt/" if row["kind"] == "save" else f"ckpt/level{row['level']}_"
+        logger.log_metrics({f"{prefix}{k}": float(v) for k, v in row.items()
+                            if isinstance(v, (int, float)) and k not in ("step", "time", "level")}, step=row["step"])
 
 
 _NOT_RESUMABLE = r"You're resuming from a checkpoint that ended before the epoch ended"

@@ -1,21 +1,31 @@
-"""Between Lightning's checkpoint dictionary and ours (both ways), and ``ckpt_path`` support."""
+"""Between Lightning's checkpoint dictionary and ours (both ways), and ``ckpt_path`` support:
+which checkpoint a resume restores (:func:`resume_start`)."""
 
 from __future__ import annotations
 
 import os
 import posixpath
-from typing import TYPE_CHECKING, Any, Optional
-
 import warnings
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from ckpt_engine.agree import on_rank0
+from ckpt_engine.errors import NoCheckpointError, UnsupportedValueError
 from ckpt_engine.format.catalog import parse_dir
-from ckpt_engine.errors import UnsupportedValueError
+from ckpt_engine.training.parts import Parts, split_weights
 from ckpt_engine.values import encode
 
-from . import _lightning
+from . import _lightning, _trainer_api
 
 if TYPE_CHECKING:
     from .callback import AsyncShardedCheckpoint
+
+
+def split(checkpoint: dict[str, Any], buffer_names: Any) -> Parts:
+    """Lightning's checkpoint dictionary (consumed) as ours: the weights and optimizer states
+    replicated; this rank's buffers (named in ``buffer_names``) and the rest (``misc``) per rank."""
+    weights, buffers = split_weights(checkpoint.pop("state_dict"), buffer_names)
+    return Parts({"state_dict": weights, "optimizer_states": checkpoint.pop("optimizer_states", [])},
+                 {"misc": plain_misc(checkpoint), "buffers": buffers})
 
 
 def assemble(state: dict[str, Any], misc: dict[str, Any], buffers: dict[str, Any]) -> dict[str, Any]:
@@ -25,6 +35,62 @@ def assemble(state: dict[str, Any], misc: dict[str, Any], buffers: dict[str, Any
     checkpoint["state_dict"] = {**state["state_dict"], **buffers}
     checkpoint["optimizer_states"] = state["optimizer_states"]
     return checkpoint
+
+
+def resume_start(callback: "AsyncShardedCheckpoint", trainer: Any, path: Any, lightning: Callable[[Any], None]) -> None:
+    """Restore exactly one checkpoint (README, "Which checkpoint a resume restores"), in place of
+    the checkpoint connector's ``resume_start`` (``lightning(path)`` does what it would have done):
+
+    * ``ckpt_path`` is one of ours: that one (read once, through :class:`CheckpointIOWrapper`);
+    * ``ckpt_path`` is Lightning's ``last`` checkpoint (``"last"``): the newer of it and our
+      newest, ours on a tie (it also restores the data position and RNG exactly);
+    * any other ``ckpt_path``: that one (an explicit choice wins);
+    * none: our newest with ``resume="auto"``, else nothing.
+
+    The candidate not used is named in a log line (a warning when it is the newer one). Ours are
+    listed once, by the restore, except to compare them with another ``ckpt_path``. Every rank.
+    """
+    root = callback.config.location
+    if path is not None and is_our_checkpoint(path, root) is not None:
+        lightning(path)
+        return
+    ck = callback.session.ck
+    ours = on_rank0(ck.comm, ck.latest_step) if path is not None else None  # a failure: raised on every rank
+    lightning(path)
+    if (path is None and callback.resume != "auto") or \
+            (path is not None and not _ours_instead(trainer, path, ours, root, callback.resume)):
+        return
+    try:
+        checkpoint = callback.restore(None)  # the newest that verifies everywhere (a damaged one is skipped)
+    except NoCheckpointError:
+        return
+    _trainer_api.inject_loaded_checkpoint(trainer, checkpoint, root)
+
+
+def _ours_instead(trainer: Any, path: Any, ours: int | None, root: str, resume: str) -> bool:
+    """Whether our newest (step ``ours``) is restored instead of the explicit ``path`` that
+    Lightning loaded; says which of the two is not used."""
+    if ours is None:
+        return False
+    theirs = int(_trainer_api.loaded_checkpoint(trainer).get("global_step", -1))
+    if resume == "auto" and ours >= theirs and os.path.abspath(str(path)) in _trainer_api.last_checkpoint_files(trainer):
+        _lightning.notice(trainer, f"AsyncShardedCheckpoint: ckpt_path={str(path)!r} is Lightning's last checkpoint "
+                          f"(step {theirs}); this callback's checkpoint at step {ours} is as new or newer and "
+                          f"is restored instead (it also restores the data position and RNG); {path} is not used.")
+        return True
+    _lightning.notice(trainer, f"AsyncShardedCheckpoint: restoring ckpt_path={str(path)!r} (step {theirs}); not "
+                      f"restoring this callback's newest checkpoint (step {ours} under {root}). To resume from it, "
+                      f"call fit() without ckpt_path or with ckpt_path={root!r}.", warn=ours > theirs)
+    return False
+
+
+def name_newer_files(trainer: Any, step: int, taken: float) -> None:
+    """After a restore of ``step`` (its snapshot taken at Unix time ``taken``): name the Lightning
+    checkpoint files the interrupted run wrote after it, which stay in place (rank 0 says it)."""
+    newer = newer_files(_trainer_api.lightning_checkpoint_dirs(trainer), taken)
+    if newer:
+        _lightning.notice(trainer, f"AsyncShardedCheckpoint: resumed from step {step}; Lightning checkpoints "
+                          f"written after it by the interrupted run stay in place: {', '.join(newer)}")
 
 
 def newer_files(dirs: list[str], since: float) -> list[str]:

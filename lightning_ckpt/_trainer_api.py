@@ -39,16 +39,12 @@ def wrap_resume_start(trainer: "Trainer", around: Callable[[Any, Callable[[Any],
     then); it is the one place that sees both candidates. ``lightning(path)`` does what Lightning
     would have done (load ``path`` into the connector; ``None`` loads nothing).
     """
-    connector = trainer._checkpoint_connector
-    original = connector.resume_start
-    if getattr(original, "_ckpt_wrapped", False):
-        return
+    def wrap(original: Callable[..., None]) -> Callable[..., None]:
+        def resume_start(checkpoint_path: Any = None, weights_only: Any = None) -> None:
+            around(checkpoint_path, lambda path: original(path, weights_only=weights_only))
+        return resume_start
 
-    def resume_start(checkpoint_path: Any = None, weights_only: Any = None) -> None:
-        around(checkpoint_path, lambda path: original(path, weights_only=weights_only))
-
-    resume_start._ckpt_wrapped = True  # type: ignore[attr-defined]
-    connector.resume_start = resume_start
+    _wrap_once(trainer._checkpoint_connector, "resume_start", wrap)
 
 
 def loaded_checkpoint(trainer: "Trainer") -> dict[str, Any]:
@@ -79,20 +75,16 @@ def guard_fit_loop(trainer: "Trainer", on_failure: Callable[[BaseException], Non
     the launcher, not the ranks that hold the checkpoints in flight, so the ranks' exits are
     caught here, around the fit loop they run.
     """
-    loop = trainer.fit_loop
-    original = loop.run
-    if getattr(original, "_ckpt_wrapped", False):
-        return
+    def wrap(original: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                original()
+            except BaseException as exception:
+                on_failure(exception)
+                raise
+        return run
 
-    def run() -> None:
-        try:
-            original()
-        except BaseException as exception:
-            on_failure(exception)
-            raise
-
-    run._ckpt_wrapped = True  # type: ignore[attr-defined]
-    loop.run = run  # type: ignore[method-assign]
+    _wrap_once(trainer.fit_loop, "run", wrap)
 
 
 def as_between_epochs(checkpoint: dict[str, Any]) -> None:
@@ -126,21 +118,45 @@ def end_restarted_epoch_normally(trainer: "Trainer") -> None:
 
 
 def wrap_process_dataloader(trainer: "Trainer", after: Callable[[Any], Any]) -> None:
-    """Pass every dataloader the strategy prepares (samplers injected) through ``after``.
+    """Pass every train dataloader the strategy prepares (samplers injected) through ``after``;
+    validation, test and sanity-check loaders go through the strategy alone.
 
     ``FitLoop.setup_data()`` calls ``iter()`` on the train loader before it sets the sampler's
     epoch and with no callback hook in between; this is the last place to make it resumable.
     """
-    strategy = trainer.strategy
-    original = strategy.process_dataloader
+    def wrap(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def process_dataloader(loader: Any) -> Any:
+            loader = original(loader)
+            return after(loader) if trainer.training else loader
+        return process_dataloader
+
+    _wrap_once(trainer.strategy, "process_dataloader", wrap)
+
+
+def _wrap_once(owner: Any, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace the method ``owner.<name>`` by ``wrap(original)``, once: a second ``setup`` (another
+    ``fit()`` on the same trainer) finds it wrapped already."""
+    original = getattr(owner, name)
     if getattr(original, "_ckpt_wrapped", False):
         return
+    wrapper = wrap(original)
+    wrapper._ckpt_wrapped = True  # type: ignore[attr-defined]
+    setattr(owner, name, wrapper)
 
-    def process_dataloader(dataloader: Any) -> Any:
-        return after(original(dataloader))
 
-    process_dataloader._ckpt_wrapped = True  # type: ignore[attr-defined]
-    strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]
+def set_batches_done(trainer: "Trainer", batches: int) -> None:
+    """Make the restored training-epoch loop count ``batches`` of the running epoch as done (call
+    after Lightning loaded its loops: from ``process_dataloader``).
+
+    After a resume on another number of devices the rest of the epoch is re-split and takes
+    another number of batches per device than the writer's loop counted; the epoch loop ends an
+    epoch by its count (``is_last_batch``, validation, epoch-interval schedulers), so its current
+    counters are shifted to the new split's. Totals stay as they are.
+    """
+    current = trainer.fit_loop.epoch_loop.batch_progress.current
+    shift = batches - current.ready
+    for name in ("ready", "started", "processed", "completed"):
+        setattr(current, name, getattr(current, name) + shift)
 
 
 def restores_loader_states(trainer: "Trainer") -> bool:

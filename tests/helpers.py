@@ -31,6 +31,22 @@ def assert_same(a, b, path: str = "state") -> None:
         assert type(a) is type(b) and (a == b or (a != a and b != b)), path
 
 
+def assert_same_samples_once_per_epoch(got: list[dict], ref: list[dict], steps: int, epochs: list[int],
+                                       samples: int) -> None:
+    """A resumed job saw what an uninterrupted one saw: per rank, its log (step -> ``{"epoch", "ids"}``)
+    has every step 1..``steps`` with the reference's rows (the same samples at every step), and over
+    all ranks each of ``epochs`` holds every one of ``samples`` exactly once."""
+    per_epoch: dict[int, list[int]] = {}
+    for rank, (mine, theirs) in enumerate(zip(got, ref, strict=True)):
+        assert sorted(mine) == list(range(1, steps + 1)), f"rank {rank}"
+        assert mine == theirs, f"rank {rank}"
+        for row in mine.values():
+            per_epoch.setdefault(row["epoch"], []).extend(row["ids"])
+    assert sorted(per_epoch) == sorted(epochs)
+    for epoch, ids in per_epoch.items():
+        assert sorted(ids) == list(range(samples)), f"epoch {epoch}"
+
+
 def proc_stat(pid: "int | str") -> list[str] | None:
     """Fields of ``/proc/<pid>/stat`` after the command name (state, ppid, pgrp, session, ...),
     or ``None`` when the process is gone."""

@@ -2,7 +2,7 @@
 
 Usage: ``python lightning_worker.py OUT CKPT [--devices 2] [--workers 0] [--max-steps 40]
 [--every 5] [--kill-at K] [--sigterm-at K] [--tag NAME] [--ckpt-path PATH] [--model-checkpoint]
-[--stateful]``.
+[--stateful] [--ddp-on-one]``.
 Every rank appends the sample ids of each batch to ``OUT/seen-<tag>-rank<r>.jsonl``; rank 0 writes
 the final weights and optimizer state to ``OUT/final-<tag>.pt`` and the resumed step to
 ``OUT/resumed-<tag>.json``.
@@ -68,7 +68,7 @@ class Net(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         ids, x, y = batch
         with open(os.path.join(self.args.out, f"seen-{self.args.tag}-rank{self.global_rank}.jsonl"), "a") as f:
-            f.write(json.dumps({"step": self.global_step + 1, "epoch": self.current_epoch,
+            f.write(json.dumps({"step": self.global_step + 1, "epoch": self.current_epoch, "batch": batch_idx,
                                 "ids": ids.tolist()}) + "\n")
         loss = torch.nn.functional.mse_loss(self.net(x).squeeze(1), y)
         self.log("loss", loss)
@@ -148,6 +148,8 @@ def main() -> None:
     p.add_argument("--resume", default="auto")
     p.add_argument("--model-checkpoint", action="store_true")
     p.add_argument("--strategy", default="ddp_spawn")
+    p.add_argument("--ddp-on-one", action="store_true",
+                   help="one device under --strategy (Lightning injects a DistributedSampler), not the single-device one")
     p.add_argument("--dump-restored", action="store_true")
     p.add_argument("--stateful", action="store_true", help="torchdata's StatefulDataLoader")
     p.add_argument("--level2", default=None, help="a second level: levels=[CKPT, LEVEL2]")
@@ -168,7 +170,8 @@ def main() -> None:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=os.path.join(args.out, "mc"), monitor="loss",
                                                       save_top_k=2, every_n_train_steps=4))
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices,
-                         strategy=args.strategy if args.devices > 1 else "auto", max_steps=args.max_steps,
+                         strategy=args.strategy if args.devices > 1 or args.ddp_on_one else "auto",
+                         max_steps=args.max_steps,
                          callbacks=callbacks, logger=pl.loggers.CSVLogger(args.out, name=args.tag),
                          enable_progress_bar=False, enable_model_summary=False,
                          limit_val_batches=4 if args.val else 0, num_sanity_val_steps=0, deterministic=True)

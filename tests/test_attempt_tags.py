@@ -13,7 +13,7 @@ import time
 import torch
 
 from ckpt_engine import Checkpointer
-from ckpt_engine import checkpointer as checkpointer_mod
+from ckpt_engine.destination import new_generation
 from ckpt_engine.format.catalog import dir_name, parse_dir
 
 FROZEN = 1_700_000_000.123  # a fixed Unix time: every tag below is made "in the same millisecond"
@@ -21,15 +21,15 @@ FROZEN = 1_700_000_000.123  # a fixed Unix time: every tag below is made "in the
 
 def test_tags_made_in_the_same_millisecond_never_collide(monkeypatch):
     monkeypatch.setattr(time, "time", lambda: FROZEN)
-    tags = [checkpointer_mod._new_generation() for _ in range(100_000)]
+    tags = [new_generation() for _ in range(100_000)]
     assert len(set(tags)) == len(tags), f"{len(tags) - len(set(tags))} collisions among {len(tags)} tags"
 
 
 def test_tags_are_valid_attempt_names_and_sort_by_start_time(monkeypatch):
     monkeypatch.setattr(time, "time", lambda: FROZEN)
-    early = checkpointer_mod._new_generation()
+    early = new_generation()
     monkeypatch.setattr(time, "time", lambda: FROZEN + 1.0)
-    late = checkpointer_mod._new_generation()
+    late = new_generation()
     assert early < late and len(early) == len(late)
     old_format = f"{int(FROZEN * 1000) % (1 << 44):011x}f"  # an earlier release's tag, same millisecond
     assert old_format + "00000001" < late + "00000001"

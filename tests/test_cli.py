@@ -11,7 +11,6 @@ import pickletools
 import pty
 import select
 import shutil
-import socket
 import struct
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from ckpt_engine.cli import main
 from ckpt_engine.storage import Storage
 from dist_worker import make_local, make_state
 from helpers import assert_same, bits
+from ranks import write_two_ranks
 
 pytestmark = pytest.mark.integration
 WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
@@ -39,23 +39,6 @@ def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """``python -m ckpt_engine ARGS`` with stdout and stderr piped (not a terminal)."""
     return subprocess.run([sys.executable, "-m", "ckpt_engine", *args], capture_output=True, text=True,
                           env=env, cwd=REPO, timeout=120)
-
-
-def write_two_ranks(root: str, steps: int = 3) -> None:
-    """Save ``make_state(1..steps)`` from 2 real gloo ranks (tests/dist_worker.py)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = os.path.join("/tmp", f"ckpt-cli-{uuid.uuid4().hex[:8]}")
-    os.makedirs(out)
-    procs = [subprocess.Popen([sys.executable, WORKER, "save", root, out, str(steps)],
-                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                                       MASTER_PORT=str(port)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    for p in procs:
-        output, _ = p.communicate(timeout=240)
-        assert p.returncode == 0, output
-    shutil.rmtree(out, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

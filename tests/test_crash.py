@@ -4,11 +4,8 @@ newest fully committed checkpoint bit for bit, never a torn one, and sweep the l
 
 from __future__ import annotations
 
-import os
 import queue
 import random
-import signal
-import threading
 import time
 
 import pytest
@@ -16,43 +13,10 @@ import pytest
 from ckpt_engine import Checkpointer
 from ckpt_engine.format.catalog import attempt_dirs, manifest_dirs
 from dist_worker import digest, make_state
-from test_distributed import start_ranks
+from ranks import kill_job, lines_of, next_line, start_ranks
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # processes killed at random instants
 KILLS = 20
-
-
-def lines_of(proc) -> "queue.Queue[str]":
-    q: queue.Queue[str] = queue.Queue()
-
-    def pump() -> None:
-        for line in proc.stdout:
-            q.put(line.rstrip("\n"))
-        q.put("<eof>")
-
-    threading.Thread(target=pump, daemon=True).start()
-    return q
-
-
-def next_line(q, prefix: str, deadline: float) -> str:
-    while True:
-        line = q.get(timeout=max(0.1, deadline - time.monotonic()))
-        if line.startswith(prefix):
-            return line
-        if line == "<eof>":
-            raise AssertionError(f"rank 0 exited while waiting for {prefix!r}")
-        if "Error" in line or "Traceback" in line:
-            raise AssertionError(line)
-
-
-def kill_job(procs) -> None:
-    for p in procs:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    for p in procs:
-        p.wait()
 
 
 @pytest.mark.parametrize("backend", ["local", "s3"])

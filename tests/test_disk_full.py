@@ -46,14 +46,14 @@ class QuotaStorage(Storage):
 
     def write_stream(self, rel, chunks, **kw):
         data = b"".join(bytes(c) for c in chunks)
-        room = self.quota - used_bytes(self.root)
+        room = self.quota - used_bytes(self.path(""))
         if len(data) <= room:
             return super().write_stream(rel, [data], **kw)
         return super().write_stream(rel, _fill_then_fail(data, max(0, room)), **kw)
 
     def write_atomic(self, rel, data, **kw):
-        if len(data) > self.quota - used_bytes(self.root):
-            return self._run("write", rel, _enospc)
+        if len(data) > self.quota - used_bytes(self.path("")):
+            return self.run("write", rel, _enospc)
         return super().write_atomic(rel, data, **kw)
 
 

@@ -3,12 +3,8 @@ any world size is bit-identical; a SIGKILLed job leaves its newest committed che
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -17,35 +13,9 @@ from ckpt_engine import Checkpointer
 from ckpt_engine.format.catalog import committed, manifest_dirs
 from ckpt_engine.storage import Storage
 from dist_worker import digest, make_local, make_state
+from ranks import run_ranks, start_ranks
 
 pytestmark = pytest.mark.integration
-WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_ranks(world: int, args: list[str], env_extra: dict | None = None) -> list[subprocess.Popen]:
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), **(env_extra or {}))
-        procs.append(subprocess.Popen([sys.executable, WORKER, *args], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, start_new_session=True))
-    return procs
-
-
-def run_ranks(world: int, mode: str, root: str, out, *extra: str) -> list[dict]:
-    out.mkdir(exist_ok=True)
-    procs = start_ranks(world, [mode, root, str(out), *extra])
-    for p in procs:
-        output, _ = p.communicate(timeout=240)
-        assert p.returncode == 0, output
-    return [json.load(open(out / f"rank-{r}.json")) for r in range(world)]
 
 
 @pytest.fixture(scope="module")

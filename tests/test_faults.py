@@ -184,7 +184,7 @@ class NoLatestStorage(Storage):
 
     def write_atomic(self, rel, data, **kw):
         if rel == "latest":
-            return self._run("write", rel, _fail_io)
+            return self.run("write", rel, _fail_io)
         return super().write_atomic(rel, data, **kw)
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import xxhash
 
-from test_cli import write_two_ranks
+from ranks import write_two_ranks
 
 pytestmark = pytest.mark.integration
 ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex64": 8, "complex128": 16, "int64": 8,

@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-import ckpt_engine.checkpointer as checkpointer_module
+import ckpt_engine.snapshot as snapshot_module
 from ckpt_engine import Checkpointer
 from ckpt_engine.cuda_copy import Gather, capture, index_boxes
 from ckpt_engine.snapshot import HostBuffer, Piece, copy_into, layout, plan_copy
@@ -427,14 +427,14 @@ def test_plan_on_cpu_copies_on_the_host_and_captures_no_stream():
 
 def test_deferred_save_on_cpu_waits_for_the_copy_before_the_next_step(tmp_path, monkeypatch):
     """``save(defer=True)`` returns before the copy; ``wait_snapshot()`` returns after it."""
-    gate, real = threading.Event(), checkpointer_module.copy_into
+    gate, real = threading.Event(), snapshot_module.copy_into
 
     def slow_copy(*args):
         gate.wait(10)
         time.sleep(0.05)
         return real(*args)
 
-    monkeypatch.setattr(checkpointer_module, "copy_into", slow_copy)
+    monkeypatch.setattr(snapshot_module, "copy_into", slow_copy)
     w = torch.zeros(1000, 100)
     with Checkpointer(str(tmp_path)) as ck:
         h = ck.save({"w": w, "t": w.t()}, 1, defer=True)

@@ -7,6 +7,7 @@ so 8 steps per epoch and 32 steps in 4 epochs. Each rank logs the sample ids of 
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import pickle
@@ -23,10 +24,10 @@ from ckpt_engine import Checkpointer
 from ckpt_engine.config import ConfigError
 from ckpt_engine.training.resumable import InPlaceResumable, make_resumable
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
-from helpers import assert_same, proc_stat
+from helpers import assert_same, assert_same_samples_once_per_epoch, proc_stat
 
 try:
-    import horovod.torch  # noqa: F401
+    importlib.import_module("horovod.torch")  # installed and built against this torch
 
     HAVE_HOROVOD = True
 except ImportError:
@@ -320,17 +321,9 @@ def test_sigkill_of_the_whole_job_then_horovodrun_again_is_bitwise_exact(uninter
     assert f"resumed from step {resumed_from}, epoch {resumed_from // STEPS_PER_EPOCH}" in out, out
     for rank in (0, 1):
         assert_same(load_final(tmp_path / "out", rank), load_final(uninterrupted / "out", rank))
-    # The same samples at every step, and within each epoch every sample exactly once.
-    per_epoch: dict[int, list[int]] = {}
-    for rank in (0, 1):
-        ref, got = steps_logged(uninterrupted / "log", rank), steps_logged(tmp_path / "log", rank)
-        assert sorted(got) == list(range(1, STEPS_PER_EPOCH * EPOCHS + 1))
-        assert got == ref
-        for row in got.values():
-            per_epoch.setdefault(row["epoch"], []).extend(row["ids"])
-    assert sorted(per_epoch) == list(range(EPOCHS))
-    for ids in per_epoch.values():
-        assert sorted(ids) == list(range(SAMPLES))
+    assert_same_samples_once_per_epoch([steps_logged(tmp_path / "log", r) for r in (0, 1)],
+                                       [steps_logged(uninterrupted / "log", r) for r in (0, 1)],
+                                       STEPS_PER_EPOCH * EPOCHS, list(range(EPOCHS)), SAMPLES)
 
 
 @pytest.fixture(scope="module")
@@ -542,15 +535,9 @@ def test_epochs_counted_from_one_resume_at_the_same_epoch_number_bitwise_exact(t
     assert f"resumed from step {resumed_from}, epoch {1 + resumed_from // STEPS_PER_EPOCH}" in out, out
     for rank in (0, 1):
         assert_same(load_final(got / "out", rank), load_final(ref / "out", rank))
-    per_epoch: dict[int, list[int]] = {}
-    for rank in (0, 1):
-        mine, theirs = steps_logged(got / "log", rank), steps_logged(ref / "log", rank)
-        assert sorted(mine) == list(range(1, 3 * STEPS_PER_EPOCH + 1)) and mine == theirs
-        for row in mine.values():
-            per_epoch.setdefault(row["epoch"], []).extend(row["ids"])
-    assert sorted(per_epoch) == [1, 2, 3]
-    for ids in per_epoch.values():
-        assert sorted(ids) == list(range(SAMPLES))
+    assert_same_samples_once_per_epoch([steps_logged(got / "log", r) for r in (0, 1)],
+                                       [steps_logged(ref / "log", r) for r in (0, 1)],
+                                       3 * STEPS_PER_EPOCH, [1, 2, 3], SAMPLES)
 
 
 def test_epochs_without_set_epoch_or_sampler_continue_in_the_scripts_numbering(tmp_path):

@@ -143,29 +143,6 @@ def test_stateful_dataloader_under_ddp_resumes_bitwise_and_exactly_once(tmp_path
         assert len(set(ids)) == 128
 
 
-def test_a_sampler_with_its_own_generator_resumes_its_permutation():
-    """DataLoader(generator=g): the permutation comes from g, which advances every epoch."""
-    from torch.utils.data import DataLoader
-
-    from lightning_ckpt._stateful import LoaderSampler
-
-    def loader():
-        dl = DataLoader(range(40), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3))
-        dl.batch_sampler.sampler = LoaderSampler(dl.batch_sampler.sampler)
-        return dl
-
-    dl = loader()
-    epochs = [[int(i) for b in dl for i in b] for _ in range(2)]   # the uninterrupted run
-    first = loader()
-    list(first)                                                     # epoch 0
-    it = iter(first)
-    consumed = [int(i) for _ in range(3) for i in next(it)]         # 3 batches of epoch 1, then a crash
-    s = first.batch_sampler.sampler
-    resumed = loader()                                              # a new process: g from its seed
-    resumed.batch_sampler.sampler.resume(1, len(consumed), s.epoch_rng, s.epoch_generators)
-    assert consumed + [int(i) for b in resumed for i in b] == epochs[1]
-
-
 def test_sigterm_mid_epoch_commits_a_final_checkpoint_and_resume_continues(tmp_path):
     """One rank: see the README for why Lightning's multi-rank SIGTERM path cannot carry it."""
     ref = tmp_path / "ref"
@@ -246,6 +223,35 @@ def test_resume_on_one_rank_from_a_two_rank_checkpoint(uninterrupted, tmp_path):
     restored = torch.load(tmp_path / "restored-one.pt", weights_only=True)
     assert restored["step"] == 20
     assert_bitwise(final(tmp_path, "two"), restored)  # the state matches; data order may differ
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
+def test_resumed_on_another_number_of_devices_each_remaining_sample_of_the_epoch_once(tmp_path, before, after):
+    """Killed mid-epoch on ``before`` devices, resumed on ``after``: the unseen rest of the interrupted
+    epoch is re-split among the new devices (every sample of the epoch once, none twice), and
+    Lightning's loop counts the new split, so the epoch ends exactly when the rest runs out and the
+    next one is whole. One device: the single-device strategy (the loader's RandomSampler) when
+    resumed on, DDP (a DistributedSampler) when the checkpoint's writer."""
+    one = ["--ddp-on-one"] if before == 1 else []
+    ck = tmp_path / "ck"
+    run(tmp_path, ck, "--devices", str(before), *one, "--kill-at", "23", "--tag", "killed", expect_rc=None)
+    restored = Checkpointer(str(ck)).latest_step()
+    batches = {devices: 256 // (8 * devices) for devices in (1, 2)}  # per epoch and device
+    epoch, into = divmod(restored, batches[before])
+    assert restored in (5, 10, 15, 20) and into, restored  # mid-epoch; 20 unless its commit had not landed
+    share = -(-(256 - into * 8 * before) // after)  # samples of the rest per device: 256 is divisible by all
+    left = -(-share // 8)  # batches, the last one partial
+    run(tmp_path, ck, "--devices", str(after), "--max-steps", str(restored + left + 2), "--tag", "resumed")
+    assert json.load(open(tmp_path / "resumed-resumed.json"))["resumed_from"] == restored
+    ids = [i for rank in range(before) for row in seen(tmp_path, "killed", rank)
+           if row["epoch"] == epoch and row["step"] <= restored for i in row["ids"]]
+    ids += [i for rank in range(after) for row in seen(tmp_path, "resumed", rank) if row["epoch"] == epoch
+            for i in row["ids"]]
+    assert sorted(ids) == list(range(256))
+    for rank in range(after):
+        rows = seen(tmp_path, "resumed", rank)
+        assert [(row["epoch"], row["batch"]) for row in rows] == (
+            [(epoch, b) for b in range(batches[after] - left, batches[after])] + [(epoch + 1, 0), (epoch + 1, 1)])
 
 
 def test_explicit_ckpt_path_and_coexistence_with_model_checkpoint(tmp_path):

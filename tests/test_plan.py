@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -81,14 +80,16 @@ def test_single_rank_owns_everything_whole():
     assert [s.stop for s in plan.slices_for(0, ms)] == [m.numel for m in ms if m.numel]
 
 
-def test_ten_thousand_tensors_on_1024_ranks_plan_fast_and_manifest_bounded():
+def test_ten_thousand_tensors_on_1024_ranks_plan_and_manifest_bounded():
+    # Sizes, not wall time (that is benchmarks/bench_plan.py): the plan holds one owner per tensor,
+    # nothing per (tensor, rank), and a rank's slices are at most one per tensor.
     shapes = [(1024, 256) if i % 10 == 0 else (256,) if i % 2 else (64, 64) for i in range(10_000)]
     ms = metas(shapes)
-    start = time.perf_counter()
     plan = make_plan(ms, 1024)
-    plan.slices_for(517, ms)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 1.0, elapsed
+    assert len(plan.owner) == 10_000
+    mine = plan.slices_for(517, ms)
+    split = [i for i, o in enumerate(plan.owner) if o == SPLIT]
+    assert len(mine) <= 10_000 and {s.tensor for s in mine} >= set(split) and split
     tensors = tuple(TensorEntry(m.dtype, m.shape, o, f"state['model']['layer{i}.weight']")
                     for i, (m, o) in enumerate(zip(ms, plan.owner)))
     manifest = Manifest(7, 1024, 0.0, plan.split_threshold, tensors,

@@ -10,10 +10,11 @@ equals NaN.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ import torch
 from ..progress import Bar
 from ..restore import Opened, tensor_reader
 from ..storage import Storage
+from .common import DIFFERENT, OK, Parents, UsageError, open_newest, open_storage, print_json, wants_bar
 from .table import render
 from .tree import TensorRef, flatten, is_tensor, refs_tree, short_repr
 from ..values import encode
@@ -234,3 +236,44 @@ def render_text(d: Diff, show_all: bool = False) -> str:
         lines += ["", *render(("key", "status", "A → B", "difference"), rows, indent="  ")]
     lines += ["", "identical" if d.identical else ", ".join(f"{n} {s}" for s, n in d.counts().items())]
     return "\n".join(lines)
+
+
+def parse_refs(refs: Sequence[str]) -> list[tuple[str, int | None]]:
+    """``PATH A B`` or ``PATH_A[@STEP] PATH_B[@STEP]`` → two (path, step) pairs; :class:`UsageError` otherwise."""
+    if len(refs) == 3:
+        path, a, b = refs
+        try:
+            return [(path, int(a)), (path, int(b))]
+        except ValueError:
+            raise UsageError(f"diff PATH A B: A and B must be steps (integers), got {a!r} and {b!r}") from None
+    if len(refs) == 2:
+        out = []
+        for ref in refs:
+            path, at, step = ref.rpartition("@")
+            out.append((path, int(step)) if at and step.isdigit() else (ref, None))
+        return out
+    raise UsageError("diff takes PATH A B (two steps of one root) or PATH_A[@STEP] PATH_B[@STEP]")
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    """Compare two checkpoints' replicated states; exit 0 when identical, 1 when they differ."""
+    sides = []
+    for path, step in parse_refs(args.refs):
+        storage = open_storage(args, path)
+        sides.append(Side(storage, open_newest(storage, step)))
+    result = diff(sides[0], sides[1], progress=wants_bar(args))
+    if args.json:
+        print_json(to_json(result))
+    elif not args.quiet:
+        print(render_text(result, args.all))
+    return OK if result.identical else DIFFERENT
+
+
+def add_parser(sub: Any, parents: Parents) -> None:
+    """Register ``ckpt diff`` on the sub-parsers ``sub``."""
+    p = sub.add_parser("diff", parents=[parents.common, parents.json],
+                       help="compare two checkpoints (exit 1 when they differ)")
+    p.add_argument("refs", nargs="+", metavar="REF",
+                   help="PATH A B (two steps of one root) or PATH_A[@STEP] PATH_B[@STEP]")
+    p.add_argument("--all", action="store_true", help="also list unchanged keys")
+    p.set_defaults(fn=cmd_diff)

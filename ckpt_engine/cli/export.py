@@ -20,11 +20,12 @@ in one piece (fsspec URLs), so a failed export never leaves a plausible-looking 
 
 from __future__ import annotations
 
+import argparse
 import base64
 import json
 import os
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import fsspec
@@ -36,6 +37,8 @@ from ..errors import CheckpointError, StorageError
 from ..progress import Bar
 from ..restore import Opened, read_local, read_state
 from ..storage import Storage
+from .common import OK, Parents, open_newest, open_storage, print_json, storage_options, wants_bar
+from .table import human
 from .tree import flatten, iter_leaves
 
 FORMATS = ("torch", "safetensors")
@@ -193,3 +196,35 @@ def export(storage: Storage, ck: Opened, out: str, *, fmt: str = "torch", flat: 
         raise StorageError(f"could not write {out}: {type(e).__name__}: {e}") from e
     unique = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return ExportResult(out, fmt, m.step, len(tensors), sum(unique.values()), len(leaves) - len(tensors), size)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write one checkpoint as a plain ``torch.save`` or safetensors file; print what was written."""
+    fmt = args.format or ("safetensors" if args.out.endswith(".safetensors") else "torch")
+    storage = open_storage(args)
+    opened = open_newest(storage, args.step)
+    local_rank = args.local_rank if args.local_rank is not None else (0 if args.include_local else None)
+    result = export(storage, opened, args.out, fmt=fmt, flat=args.flat, local_rank=local_rank,
+                    out_options=storage_options(args.out_option, "--out-option"), progress=wants_bar(args))
+    if args.json:
+        print_json(asdict(result))
+    elif not args.quiet:
+        size = "" if result.file_bytes is None else f", {human(result.file_bytes)}"
+        print(f"exported step {result.step} to {result.out} ({result.format}{size}): {result.tensors} tensors "
+              f"({human(result.tensor_bytes)}), {result.values} other values")
+    return OK
+
+
+def add_parser(sub: Any, parents: Parents) -> None:
+    """Register ``ckpt export`` on the sub-parsers ``sub``."""
+    p = sub.add_parser("export", parents=[parents.path, parents.step, parents.common, parents.json],
+                       help="write a plain torch.save or safetensors file (loads without ckpt-suite)")
+    p.add_argument("out", help="output file (local path or fsspec URL)")
+    p.add_argument("--format", choices=FORMATS, help="default: safetensors if OUT ends in .safetensors, else torch")
+    p.add_argument("--flat", action="store_true",
+                   help="torch format: a flat {'a.b.c': value} dict instead of the nested state")
+    p.add_argument("--include-local", action="store_true", help="add rank 0's local values (see --local-rank)")
+    p.add_argument("--local-rank", type=int, help="add this writer rank's local values")
+    p.add_argument("--out-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="fsspec storage option for OUT (repeatable)")
+    p.set_defaults(fn=cmd_export)

@@ -18,19 +18,19 @@ which runs when no save can be in progress. Deletion uses :func:`commit.remove_c
 
 from __future__ import annotations
 
-import os
+import argparse
 import re
 import time
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any, Callable
 
 from ..format import catalog
 from ..commit import remove_checkpoint
-from ..errors import CheckpointError, StorageError
+from ..errors import CheckpointError
 from ..format.manifest import MANIFEST_NAME
-from ..storage.retry import retrying
 from ..storage import Storage
+from .common import OK, Parents, UsageError, open_storage, print_json, root
+from .table import duration, human, render
 
 _DURATION = re.compile(r"(\d+(?:\.\d*)?)\s*(s|m|min|h|d)?")
 _UNITS = {None: 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
@@ -67,37 +67,9 @@ def parse_duration(text: str) -> float:
     return float(m.group(1)) * _UNITS[m.group(2)]
 
 
-def _mtime(info: dict[str, Any]) -> float | None:
-    for key in ("mtime", "LastModified", "last_modified", "created"):
-        v = info.get(key)
-        if isinstance(v, datetime):
-            return v.timestamp()
-        if isinstance(v, (int, float)):
-            return float(v)
-    return None
-
-
 def usage(storage: Storage, rel: str) -> tuple[int, float | None]:
     """``(bytes, newest modification time or None)`` of the files below ``rel`` (fresh listing)."""
-    full = storage.path(rel)
-
-    def find() -> dict[str, dict[str, Any]]:
-        storage.fs.invalidate_cache(full)
-        try:
-            if storage.fs.isfile(full):
-                return {full: storage.fs.info(full)}
-            return storage.fs.find(full, detail=True, withdirs=False)  # type: ignore[no-any-return]
-        except FileNotFoundError:
-            return {}
-
-    try:
-        infos = find() if storage.local else retrying(find, storage.retry_deadline)
-    except Exception as e:  # noqa: BLE001  (any backend error, named with the path)
-        raise StorageError(f"could not list {storage.describe(rel)}: {type(e).__name__}: {e}") from e
-    times = [t for t in (_mtime(i) for i in infos.values()) if t is not None]
-    if not times and storage.local and os.path.isdir(full):  # an empty directory: a save may just have begun
-        times = [os.path.getmtime(full)]
-    return sum(int(i.get("size") or 0) for i in infos.values()), (max(times) if times else None)
+    return storage.usage(rel)
 
 
 def plan(storage: Storage, keep_last: int | None, grace_s: float, now: float | None = None) -> Plan:
@@ -158,3 +130,46 @@ def to_json(p: Plan, applied: bool) -> dict:
 
     return {"dry_run": not applied, "remove": [row(i) for i in p.remove], "keep": [row(i) for i in p.keep],
             "bytes": p.bytes}
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    """List (default) or delete (``--yes``) old checkpoints and dead leftovers."""
+    storage = open_storage(args)
+    try:
+        grace = parse_duration(args.grace)
+    except ValueError as e:
+        raise UsageError(f"--grace: {e}") from None
+    todo = plan(storage, args.keep_last, grace)
+    if args.yes:
+        apply(storage, todo)
+    if args.json:
+        print_json(to_json(todo, args.yes))
+        return OK
+    if args.quiet:
+        return OK
+    verb = "removed" if args.yes else "would remove"
+    rows = [(i.name, "-" if i.step is None else i.step, human(i.bytes),
+             "-" if i.age_s is None else duration(i.age_s), i.reason) for i in todo.remove]
+    if rows:
+        print(f"{verb} {len(rows)} item(s), {human(todo.bytes)} at {root(storage)}:")
+        print("\n".join(render(("name", "step", "size", "age", "reason"), rows, right=(1, 2, 3), indent="  ")))
+    else:
+        print(f"nothing to remove at {root(storage)}")
+    if todo.keep:
+        print("kept:")
+        kept = [(i.name, "-" if i.age_s is None else duration(i.age_s), i.reason) for i in todo.keep]
+        print("\n".join(render(("name", "age", "reason"), kept, right=(1,), indent="  ")))
+    if rows and not args.yes:
+        print("dry run: nothing was deleted; run again with --yes to delete")
+    return OK
+
+
+def add_parser(sub: Any, parents: Parents) -> None:
+    """Register ``ckpt gc`` on the sub-parsers ``sub``."""
+    p = sub.add_parser("gc", parents=[parents.path, parents.common, parents.json],
+                       help="delete old checkpoints and dead leftovers (dry run unless --yes)")
+    p.add_argument("--keep-last", type=int, metavar="K", help="keep the K newest committed checkpoints (default: all)")
+    p.add_argument("--grace", default="1h",
+                   help="delete uncommitted attempts only when older than this (default 1h; e.g. 90s, 30m, 2d)")
+    p.add_argument("--yes", "--force", dest="yes", action="store_true", help="really delete")
+    p.set_defaults(fn=cmd_gc)

@@ -7,6 +7,7 @@ Keys are the flat keys of :mod:`ckpt_engine.cli.tree`.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -14,6 +15,7 @@ import numpy as np
 
 from ..format.manifest import TensorEntry
 from ..restore import Opened
+from .common import OK, Parents, UsageError, open_newest, open_storage, print_json
 from .table import human, iso, render
 from .tree import TensorRef, flatten, is_tensor, refs_tree, short_repr, type_name
 from ..values import encode
@@ -160,3 +162,31 @@ def render_text(c: Contents, detail_ranks: Sequence[int]) -> str:
             if r.values:
                 lines += _value_lines(r.values, "  ")
     return "\n".join(lines)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """Describe one checkpoint: replicated tensors and values, and every rank's local values (or ``--rank``'s)."""
+    if args.width < 10:
+        raise UsageError(f"--width must be at least 10, got {args.width}")
+    opened = open_newest(open_storage(args), args.step)
+    bad = [r for r in args.rank if not 0 <= r < opened.manifest.world_size]
+    if bad:
+        raise UsageError(f"--rank {bad[0]}: the checkpoint of step {opened.manifest.step} has ranks "
+                         f"0..{opened.manifest.world_size - 1}")
+    contents = describe(opened, args.width)
+    if args.json:
+        print_json(to_json(contents))
+        return OK
+    ranks = args.rank if args.rank else ([r.rank for r in contents.ranks] if contents.world_size <= 8 else [0])
+    print(render_text(contents, ranks))
+    return OK
+
+
+def add_parser(sub: Any, parents: Parents) -> None:
+    """Register ``ckpt inspect`` on the sub-parsers ``sub``."""
+    p = sub.add_parser("inspect", parents=[parents.path, parents.step, parents.common, parents.json],
+                       help="tensors (dtype, shape, bytes, placement) and plain values of a checkpoint")
+    p.add_argument("--rank", type=int, action="append", default=[],
+                   help="list this writer rank's local values in full (repeatable; default: all up to 8 ranks)")
+    p.add_argument("--width", type=int, default=80, help="cut value texts to about this many characters")
+    p.set_defaults(fn=cmd_inspect)

@@ -13,7 +13,6 @@ import re
 from dataclasses import dataclass
 
 from ..errors import CheckpointError
-from .guard import local_kind
 from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from ..storage import Storage
 
@@ -44,27 +43,26 @@ class Entry:
 def attempt_dirs(storage: Storage) -> list[str]:
     """Every checkpoint directory at the root, committed or not, sorted by name.
 
-    On local storage only real directories count: a file or a symbolic link named like one is
-    not a checkpoint (a link could lead out of the root), so listings, ``gc``, retention and the
-    start-up sweep leave it alone; :func:`stray_entries` names them for ``ckpt ls --all``.
+    Only real directories count: a file (an object, on object stores) or a symbolic link named
+    like one is not a checkpoint (a link could lead out of the root), so listings, ``gc``,
+    retention and the start-up sweep leave it alone; :func:`stray_entries` names them for
+    ``ckpt ls --all``.
     """
     return [n for n, kind in _named_entries(storage) if kind == _DIRECTORY]
 
 
 def stray_entries(storage: Storage) -> list[tuple[str, str]]:
     """``(name, what it is)`` of entries named like a checkpoint directory that are not real
-    directories (local storage; object stores have neither links nor special files)."""
-    return [(n, kind) for n, kind in _named_entries(storage) if kind not in (_DIRECTORY, None)]
+    directories (files, links, special files; on object stores, objects)."""
+    return [(n, kind) for n, kind in _named_entries(storage) if kind != _DIRECTORY]
 
 
 _DIRECTORY = "a directory"
 
 
-def _named_entries(storage: Storage) -> list[tuple[str, str | None]]:
-    """Root entries named like checkpoint directories with what they are (always a directory on
-    object stores; ``None``: vanished meanwhile), sorted by name."""
-    names = [n for n in storage.listdir() if parse_dir(n) is not None]
-    return [(n, local_kind(storage.root, n)) for n in names] if storage.local else [(n, _DIRECTORY) for n in names]
+def _named_entries(storage: Storage) -> list[tuple[str, str]]:
+    """Root entries named like checkpoint directories with what they are, sorted by name."""
+    return [(n, kind) for n, kind in storage.entries() if parse_dir(n) is not None]
 
 
 def committed(storage: Storage) -> list[Entry]:

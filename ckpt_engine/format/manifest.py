@@ -78,8 +78,9 @@ class TensorEntry:
 
 
 @dataclass(frozen=True)
-class IndexEntry:
-    """Elements ``[start, stop)`` of tensor ``tensor`` stored at ``offset`` in the rank's file."""
+class Piece:
+    """Elements ``[start, stop)`` of tensor ``tensor`` (of the rank's ``local`` tensors when ``local``)
+    at ``offset`` in the rank's data file (and its snapshot buffer), ``nbytes`` long."""
 
     local: bool
     tensor: int
@@ -87,6 +88,12 @@ class IndexEntry:
     stop: int
     offset: int
     nbytes: int
+
+
+@dataclass(frozen=True)
+class IndexEntry(Piece):
+    """A piece as the rank's index file records it: with the xxh3-64 of its bytes and padding."""
+
     xxh3: str
 
 

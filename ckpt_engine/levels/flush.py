@@ -23,7 +23,6 @@ import logging
 import os
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
@@ -32,6 +31,7 @@ from ..commit import Abandoned, CommitInputs, commit, retain, write_abort
 from ..errors import CheckpointError
 from ..format.manifest import Manifest, RankRecord, index_file
 from ..storage import Storage
+from ..tally import Tally
 from .transfer import copy_rank
 
 log = logging.getLogger("ckpt_engine.levels.flush")
@@ -73,7 +73,8 @@ class FlushItem:
 
 @dataclass
 class FlushRecord:
-    """Figures of one checkpoint flushed (or skipped) to one lower level, on this rank."""
+    """Figures of one checkpoint flushed (or skipped) to one lower level, on this rank (reported to
+    the ``Checkpointer``'s ``flush_records`` once done)."""
 
     step: int
     dirname: str
@@ -128,8 +129,7 @@ class Flusher:
 
     def __init__(self, source: Storage, target: Storage, *, level: int, rank: int, world_size: int,
                  generation: str, keep_last: int | None, commit_timeout: float, retries: int,
-                 manifest_of: ManifestSource | None = None, counters: dict[str, Any] | None = None,
-                 records: "deque[FlushRecord] | None" = None, lock: threading.Lock | None = None) -> None:
+                 manifest_of: ManifestSource | None = None, tally: Tally | None = None) -> None:
         self.source, self.target, self.level = source, target, level
         self.rank, self.world_size, self.generation = rank, world_size, generation
         self.keep_last, self.commit_timeout, self.retries = keep_last, commit_timeout, retries
@@ -143,13 +143,9 @@ class Flusher:
         self._newest_step = -1
         self._stopping = False
         self._error: BaseException | None = None
-        # Figures, shared by the flushers of one Checkpointer when it passes its own (``lock`` guards them).
-        self.counters = counters if counters is not None else {}
-        for key in COUNTERS:
-            self.counters.setdefault(key, 0)
-        self.records: deque[FlushRecord] = records if records is not None else deque(maxlen=1000)
-        self._count_lock = lock or threading.Lock()
-        self._poll_cap = 0.02 if target.local else 0.5
+        self.tally = tally if tally is not None else Tally()
+        """Where the figures go (the ``Checkpointer``'s, shared by its flushers)."""
+        self.tally.declare(COUNTERS)
         self._thread = threading.Thread(target=self._run, name=f"ckpt-flush-{level}", daemon=True)
         self._thread.start()
 
@@ -248,7 +244,7 @@ class Flusher:
 
     def _choose_as_follower(self) -> FlushItem | None:
         """Other ranks: wait for rank 0's decision about one of the pending attempts."""
-        delay = 0.005
+        pauses = self.target.polling.flush.pauses()
         while True:
             with self._cond:
                 while not self._pending and not self._stopping:
@@ -273,8 +269,7 @@ class Flusher:
                         if item.committed:
                             self._skipped(item)
                         continue
-                self._cond.wait(delay)
-                delay = min(delay * 2, self._poll_cap)
+                self._cond.wait(next(pauses))
 
     def _flush(self, item: FlushItem) -> None:
         record = FlushRecord(item.step, item.dirname, self.level)
@@ -306,7 +301,7 @@ class Flusher:
                     if attempt < self.retries and not self._pause(0.5 * 2 ** (attempt - 1)):
                         return
         finally:
-            self.records.append(record)
+            self.tally.flushed(record)
 
     def _copy_and_commit(self, item: FlushItem, record: FlushRecord) -> None:
         start = time.perf_counter()
@@ -337,14 +332,13 @@ class Flusher:
 
     def _skipped(self, item: FlushItem, record: FlushRecord | None = None) -> None:
         if record is None:
-            self.records.append(FlushRecord(item.step, item.dirname, self.level, skipped=True))
+            self.tally.flushed(FlushRecord(item.step, item.dirname, self.level, skipped=True))
         else:
             record.skipped = True
         self._count("flush_skipped")
 
     def _count(self, key: str, n: int = 1) -> None:
-        with self._count_lock:
-            self.counters[key] += n
+        self.tally.count(key, n)
 
     def _failed(self, item: FlushItem, record: FlushRecord, error: Exception, final: bool) -> None:
         self._count("flush_failed")

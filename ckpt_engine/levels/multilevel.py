@@ -1,59 +1,62 @@
-"""The multi-level side of a ``Checkpointer``: level-1 commits, flushers, retention guards, figures.
+"""Several levels: the destination of a ``Checkpointer`` with a fast first level and slower ones.
 
-Order of calls (the ``Checkpointer`` makes them): construction on every rank (a collective, see
-:func:`levels.open_levels`); per save, :meth:`MultiLevel.expect` (training thread), then
-:meth:`MultiLevel.persisted` (persist thread) or :meth:`MultiLevel.skipped` (training thread);
-:meth:`MultiLevel.retain_fast` from the retention thread; :meth:`MultiLevel.drain`,
-:meth:`MultiLevel.take_error` and :meth:`MultiLevel.stop` from the training thread.
-
-A save counts as committed on level 1 as soon as that level has it (the manifest on a shared
-level 1; on a node-local one, this rank's ``rank-commit.json``): ``wait()`` and the policy see
-exactly that. Then every lower level's flusher gets it (flush.py).
+Implements :class:`~ckpt_engine.destination.Destination` (the order of calls is there). Opening
+is a collective (:func:`levels.open.open_levels`). A save counts as committed on level 1 as soon
+as that level has it (the manifest on a shared level 1, written by rank 0's persist worker; on a
+node-local one, this rank's ``rank-commit.json``, written by :meth:`MultiLevel.persisted`):
+``wait()`` and the policy see exactly that. Then every lower level's flusher gets it (flush.py),
+and level-1 retention keeps what a flusher still needs. Reading: levels/restore.py.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import deque
 from dataclasses import replace
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
-from ..format.catalog import committed, parse_dir
 from ..comm import Comm
-from ..commit import CommitInputs, retain, wait_for_commit
+from ..commit import CommitInputs, retain, wait_for_commit, write_abort
 from ..config import LevelSpec
-from ..errors import CheckpointError, CommitTimeoutError
-from .flush import Flusher, FlushItem, FlushRecord
-from .open import RANK_COMMIT, Level, RankCommit, open_levels, write_rank_commit
+from ..destination import Retention, new_generation
+from ..errors import CheckpointError, CommitTimeoutError, NoCheckpointError
+from ..format.catalog import committed, manifest_dirs, parse_dir
 from ..format.manifest import MANIFEST_NAME, Manifest, RankRecord
 from ..persist import PersistJob
+from ..restore import open_checkpoint
+from ..restore_agreed import Loaded
+from ..tally import Tally
+from .flush import Flusher, FlushItem
+from .open import RANK_COMMIT, Level, RankCommit, open_levels, write_rank_commit
+from .restore import candidates, load_levels
 
 
 class MultiLevel:
     """Levels (fastest first) and one background flusher per lower level, for one ``Checkpointer``.
 
-    ``counters`` and ``records``: the checkpointer's figures, which the flushers extend
-    (``flushed``, ``flush_skipped``, ``flush_failed``, ``flush_bytes``; one
-    :class:`~ckpt_engine.levels.flush.FlushRecord` per checkpoint and lower level).
+    The flushers report to ``tally`` (counters ``flushed``, ``flush_skipped``, ``flush_failed``,
+    ``flush_bytes``; one :class:`~ckpt_engine.levels.flush.FlushRecord` per checkpoint and lower level).
     """
 
+    make_room = False
+
     def __init__(self, specs: Sequence[LevelSpec], comm: Comm, *, commit_timeout: float, retries: int,
-                 new_generation: Callable[[], str], counters: dict, records: "deque[FlushRecord]") -> None:
+                 tally: Tally) -> None:
+        """Open every level (a collective, see :func:`~ckpt_engine.levels.open.open_levels`) and start
+        the flushers; a flush a crash cut short is started over."""
         opening = open_levels(specs, comm, new_generation)
         self.levels: tuple[Level, ...] = opening.levels
         self.fast = self.levels[0]
         self.node_local = self.fast.node_local
         self.generation = opening.generation
         self.complete = opening.complete
-        self.rank, self.world_size = comm.rank, comm.world_size
+        self.comm, self.rank, self.world_size = comm, comm.rank, comm.world_size
         self._templates: dict[str, CommitInputs] = {}
-        lock = threading.Lock()
+        self._last_committed: str | None = None
+        self._retention = Retention()
         self.flushers = tuple(
             Flusher(self.fast.storage, level.storage, level=level.index, rank=self.rank, world_size=self.world_size,
                     generation=self.generation, keep_last=level.keep_last, commit_timeout=commit_timeout,
-                    retries=retries, manifest_of=self._manifest_of if self.rank == 0 else None,
-                    counters=counters, records=records, lock=lock)
+                    retries=retries, manifest_of=self._manifest_of if self.rank == 0 else None, tally=tally)
             for level in self.levels[1:])
         start = time.perf_counter()
         for flusher, dirname in zip(self.flushers, opening.recover):
@@ -61,14 +64,26 @@ class MultiLevel:
                 flusher.offer(FlushItem(dirname, parse_dir(dirname)[0], True, "", start, start))  # type: ignore[index]
 
     # ---- saving -----------------------------------------------------------------------------------
-    def expect(self, dirname: str, inputs: CommitInputs | None) -> None:
-        """At ``save()``: on a node-local level 1, keep what this rank's own commit will need."""
-        if self.node_local and inputs is not None:
+    def saving(self, dirname: str, inputs: CommitInputs) -> CommitInputs | None:
+        """A shared level 1 is committed by rank 0's persist worker; on a node-local one each rank
+        commits its own files (:meth:`persisted`), with these inputs."""
+        if self.node_local:
             self._templates[dirname] = inputs
+            return None
+        return inputs if self.rank == 0 else None
 
-    def persisted(self, job: PersistJob) -> None:
-        """Persist thread, after every job: commit this rank's files on a node-local level 1, then
-        hand the attempt (done or not) to the flushers."""
+    def skipped(self, dirname: str, step: int, saved_at: float) -> None:
+        """This rank skipped the attempt (back-pressure): an abort marker for rank 0's commit, and the
+        flushers learn it (rank 0 may still pick it)."""
+        if self.world_size > 1:
+            write_abort(self.fast.storage, dirname, self.rank, "skipped")
+        self._templates.pop(dirname, None)
+        self._offer(FlushItem(dirname, step, False, "skipped", saved_at, time.perf_counter()))
+
+    def persisted(self, job: PersistJob) -> bool:
+        """Persist thread, after every job: commit this rank's files on a node-local level 1, hand
+        the attempt (done or not) to the flushers, then level-1 retention when this rank committed
+        it (after the hand-over, so that it sees what the flushers need)."""
         inputs = self._templates.pop(job.dirname, None)
         ok = job.durable
         try:
@@ -81,11 +96,11 @@ class MultiLevel:
             reason = "skipped" if job.record.skipped else "failed"
             self._offer(FlushItem(job.dirname, job.step, ok, "" if ok else reason, job.record.started_at,
                                   time.perf_counter()))
-
-    def skipped(self, dirname: str, step: int, saved_at: float) -> None:
-        """At ``save()``: this rank skipped the attempt (back-pressure); rank 0 may still pick it."""
-        self._templates.pop(dirname, None)
-        self._offer(FlushItem(dirname, step, False, "skipped", saved_at, time.perf_counter()))
+        if not (job.durable and job.record.committed):
+            return False
+        self._last_committed = job.dirname
+        self._retention.submit(self.retain_fast, job.dirname)
+        return True
 
     def _offer(self, item: FlushItem) -> None:
         for flusher in self.flushers:
@@ -107,6 +122,11 @@ class MultiLevel:
         return removed
 
     # ---- waiting ----------------------------------------------------------------------------------
+    def await_commit(self, dirname: str, timeout: float) -> None:
+        """Other ranks of a shared level 1: until rank 0 committed ``dirname`` there."""
+        if not self.node_local and self.rank != 0:
+            wait_for_commit(self.fast.storage, dirname, self.world_size, timeout)
+
     def drain(self, timeout: float) -> None:
         """Wait until every lower level has the newest checkpoint (older pending ones are skipped).
 
@@ -138,10 +158,18 @@ class MultiLevel:
                 return wrapped
         return None
 
-    def stop(self, timeout: float = 0.0) -> None:
-        """Stop the flushers (a copy in progress may go on, in a daemon thread, up to ``timeout``)."""
+    def retention_failures(self, wait: bool) -> list[BaseException]:
+        return self._retention.failures(wait)
+
+    def close(self) -> list[BaseException]:
+        """Level-1 retention once more (what the drained flushes no longer protect), then stop the
+        flushers (a copy in progress goes on in its daemon thread)."""
+        if self._last_committed is not None:
+            self._retention.submit(self.retain_fast, self._last_committed)
+        failures = self._retention.shutdown()
         for flusher in self.flushers:
-            flusher.stop(timeout)
+            flusher.stop(0.0)
+        return failures
 
     # ---- catalog ----------------------------------------------------------------------------------
     def steps(self) -> list[int]:
@@ -157,6 +185,24 @@ class MultiLevel:
             else:
                 found |= {e.step for e in committed(level.storage)}
         return sorted(found)
+
+    def load(self, step: int | None, fallback: bool, threads: int, failures: list[str],
+             progress: bool) -> tuple[Any, Loaded]:
+        """A collective with several ranks (levels/restore.py); ``progress`` is not drawn here."""
+        return load_levels(self, self.comm, step, fallback, threads, failures)
+
+    def restore(self, step: int | None, fallback: bool, threads: int, failures: list[str]) -> tuple[Any, Loaded]:
+        """:meth:`load`: it verifies every rank's parts already."""
+        return load_levels(self, self.comm, step, fallback, threads, failures)
+
+    def open_newest(self) -> Loaded:
+        """The newest checkpoint of the shared levels (the fastest on a tie); no communication."""
+        shared = {lv.index: manifest_dirs(lv.storage) for lv in self.levels if not lv.node_local}
+        found = candidates(shared, None, self.world_size)
+        if not found:
+            raise NoCheckpointError(f"no committed checkpoint at {self.fast.storage.describe('')}")
+        storage = self.levels[found[0].level].storage
+        return Loaded(open_checkpoint(storage, found[0].dirname), storage, found[0].level)
 
     def _manifest_of(self, dirname: str) -> Callable[[tuple[RankRecord, ...]], Manifest]:
         """Rank 0's flusher: the level-1 manifest of ``dirname``, to commit the same on a lower level."""

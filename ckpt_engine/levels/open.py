@@ -11,14 +11,13 @@ in a few collectives on the training thread, the ranks find out whether level 1 
   ``rank-NNNNN/`` and commits them itself with a sealed ``rank-commit.json`` (its index file's
   checksum plus the manifest body rank 0 would write, without the rank table). The job-wide
   commit that counts is the one on the shared lower level; a restore uses level 1 only when every
-  rank has the checkpoint there (restore_levels.py).
+  rank has the checkpoint there (levels/restore.py).
 
 Every lower level must be shared (rank 0 commits there), which the same probe checks.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
@@ -44,14 +43,6 @@ _PROBE = ".tmp-probe-"
 def rank_dir(rank: int) -> str:
     """The directory of ``rank``'s own files on a node-local level 1."""
     return f"rank-{rank:05d}"
-
-
-def substorage(storage: Storage, name: str) -> Storage:
-    """The same storage (same class, same filesystem object) rooted at ``name`` below its root."""
-    sub = copy.copy(storage)
-    sub.root = storage.path(name)
-    sub.url = f"{storage.url.rstrip('/')}/{name}"
-    return sub
 
 
 def open_storage(spec: LevelSpec) -> Storage:
@@ -185,7 +176,7 @@ def open_levels(specs: Sequence[LevelSpec], comm: Comm, new_generation: Callable
     shared, catalogs = [True] * len(storages), [[]]
     if world > 1:
         seen = [s.exists(f"{_PROBE}{generation}") for s in storages]
-        own = local_catalog(substorage(storages[0], rank_dir(rank)))
+        own = local_catalog(storages[0].child(rank_dir(rank)))
         views = comm.all_gather({"seen": seen, "local": own})
         shared = [all(v["seen"][i] for v in views) for i in range(len(storages))]
         catalogs = [v["local"] for v in views]
@@ -199,7 +190,7 @@ def open_levels(specs: Sequence[LevelSpec], comm: Comm, new_generation: Callable
             raise CheckpointError(f"levels[{i}] ({storages[i].describe('')}): ranks {blind} do not see rank 0's files "
                                   "there; every level after the first must be storage all ranks share")
     node_local = not shared[0]
-    levels = tuple(Level(i, substorage(s, rank_dir(rank)) if i == 0 and node_local else s, spec.keep_last,
+    levels = tuple(Level(i, s.child(rank_dir(rank)) if i == 0 and node_local else s, spec.keep_last,
                          i == 0 and node_local) for i, (s, spec) in enumerate(zip(storages, specs)))
     if node_local:
         levels[0].storage.makedirs("")

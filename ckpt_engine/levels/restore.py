@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -29,13 +29,14 @@ from ..comm import Comm
 from ..errors import CheckpointError, CorruptionError, FormatError, NoCheckpointError
 from .transfer import StreamCheck
 from ..format.catalog import manifest_dirs
-from .open import RANK_COMMIT, Level, RankCommit, local_catalog
+from .open import RANK_COMMIT, Level, RankCommit, complete_everywhere, local_catalog
 from ..format.manifest import RankIndex, RankRecord, check_coverage, data_file, index_file
-from .multilevel import MultiLevel
 from ..restore import Opened, open_checkpoint
-from ..restore_agreed import read_for_rank
-from ..storage import Storage
+from ..restore_agreed import Loaded, read_for_rank
 from ..values import decode, parse_dtype
+
+if TYPE_CHECKING:
+    from .multilevel import MultiLevel
 
 EXCHANGE = 64 << 20
 """Bytes each rank contributes per round when rebuilding the state from node-local copies."""
@@ -61,30 +62,16 @@ def candidates(shared: Mapping[int, Sequence[Sequence[Any]]], local: Sequence[Se
     """
     found = [Candidate(level, int(s), str(d)) for level, dirs in shared.items() for s, d in dirs]
     if local:
-        common = set.intersection(*({(int(s), str(d)) for s, d, w in cat if int(w) == world_size} for cat in local))
-        found += [Candidate(0, s, d, True) for s, d in common]
+        found += [Candidate(0, s, d, True) for s, d in complete_everywhere(local, world_size)]
     if step is not None:
         found = [c for c in found if c.step == step]
     return sorted(found, key=lambda c: (-c.step, c.level, tuple(-ord(ch) for ch in c.dirname)))
 
 
-@dataclass
-class Loaded:
-    """What :func:`load_levels` read: the state and where it came from."""
-
-    state: Any
-    level: int
-    opened: Opened
-    storage: Storage
-    locals: dict[int, Any] | None = None
-    """Node-local copies: the ``local`` of this rank and of writer 0 (the only ones at hand)."""
-    verified: dict[int, Any] | None = None
-    """Shared levels: the ``local`` of this rank's writer and of writer 0, verified before choosing."""
-
-
 def load_levels(ml: MultiLevel, comm: Comm, step: int | None, fallback: bool, threads: int,
-                failures: list[str]) -> Loaded:
-    """Every rank: the newest checkpoint (or ``step``) that verifies on all ranks; see the module docstring.
+                failures: list[str]) -> tuple[Any, Loaded]:
+    """Every rank: ``(state, loaded)`` of the newest checkpoint (or ``step``) that verifies on all
+    ranks; see the module docstring.
 
     Appends what failed to ``failures``. Raises :class:`NoCheckpointError` when no level has one.
     """
@@ -108,7 +95,7 @@ def load_levels(ml: MultiLevel, comm: Comm, step: int | None, fallback: bool, th
         bad = [r["error"] for r in reports if not r["ok"]]
         if not bad:
             try:
-                return attempt.finish(comm, reports) if c.node_local else attempt.loaded  # type: ignore[union-attr]
+                return attempt.finish(comm, reports) if c.node_local else attempt.result  # type: ignore[union-attr]
             except CheckpointError as e:  # the same on every rank: it depends on the gathered reports only
                 own_error, bad = own_error or e, [str(e)]
         failures.extend(f"{level.name} {c.dirname}: {b}" for b in bad)
@@ -131,7 +118,7 @@ def _agree(ml: MultiLevel, comm: Comm, step: int | None) -> list[Candidate]:
 # ---- a shared level ---------------------------------------------------------------------------------
 @dataclass
 class _Shared:
-    loaded: Loaded
+    result: tuple[Any, Loaded]
     report: dict
 
 
@@ -139,7 +126,7 @@ def _read_shared(level: Level, c: Candidate, threads: int, rank: int) -> _Shared
     """The state and the ``local`` sections this rank will use (its writer's, writer 0's), verified."""
     opened = open_checkpoint(level.storage, c.dirname)
     state, verified = read_for_rank(level.storage, opened, rank, threads)
-    return _Shared(Loaded(state, level.index, opened, level.storage, verified=verified), {"ok": True})
+    return _Shared((state, Loaded(opened, level.storage, level.index, verified)), {"ok": True})
 
 
 # ---- a node-local level 1 -----------------------------------------------------------------------------
@@ -153,7 +140,7 @@ class _LocalCopy:
     data: np.ndarray
     report: dict
 
-    def finish(self, comm: Comm, reports: Sequence[dict]) -> Loaded:
+    def finish(self, comm: Comm, reports: Sequence[dict]) -> tuple[Any, Loaded]:
         """Build the manifest from every rank's report, then exchange the bytes and decode."""
         where = self.level.storage.describe(self.dirname)
         rc = RankCommit.from_json(base64.b64decode(reports[0]["commit"]), f"{where} (rank 0's {RANK_COMMIT})")
@@ -179,7 +166,8 @@ class _LocalCopy:
         state = decode(manifest.state, tensors.__getitem__, count=len(tensors), where=where)
         locals_ = {r: decode(indexes[r].local, local_tensors[r].__getitem__, count=len(local_tensors[r]),
                              where=f"{where} ({index_file(r)})") for r in keep}
-        return Loaded(state, self.level.index, Opened(self.dirname, manifest, indexes), self.level.storage, locals_)
+        opened = Opened(self.dirname, manifest, indexes)
+        return state, Loaded(opened, self.level.storage, self.level.index, locals_, node_local=True)
 
 
 def _read_local_copy(level: Level, c: Candidate, rank: int) -> _LocalCopy:

@@ -1,16 +1,15 @@
 """Per-checkpoint figures as the front ends report them: one flat row per finished save.
 
 A row holds the save's own figures (stall, snapshot, persist, commit ms, bytes, GB/s, committed,
-skipped) and the policy's (interval, measured overhead, expected lost work...). Rank 0 appends it
-to ``figures.jsonl`` beside the checkpoints on a local root; object stores have no append, so there
-each row is one ``figures/step-*.json`` object.
+skipped; the CPU ms of each phase on the thread that ran it) and the policy's (interval, measured
+overhead, expected lost work...). Rank 0 appends it to ``figures.jsonl`` beside the checkpoints on a
+local root; object stores have no append, so there each row is one ``figures/step-*.json`` object.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from typing import Any, Mapping
 
@@ -24,6 +23,9 @@ def figure_row(rec: SaveRecord, policy_figures: Mapping[str, Any]) -> dict[str, 
             "persist_ms": rec.persist_s * 1e3, "commit_ms": rec.commit_s * 1e3, "bytes": rec.bytes,
             "gb_per_s": rec.bytes / rec.persist_s / 1e9 if rec.persist_s else 0.0,
             "committed": rec.committed, "skipped": rec.skipped, "error": rec.error, "time": time.time(),
+            "deferred": rec.deferred, "encode_ms": rec.encode_s * 1e3, "encode_cpu_ms": rec.encode_cpu_s * 1e3,
+            "snapshot_cpu_ms": rec.snapshot_cpu_s * 1e3, "persist_cpu_ms": rec.persist_cpu_s * 1e3,
+            "commit_cpu_ms": rec.commit_cpu_s * 1e3,
             **{k: v for k, v in policy_figures.items() if not (isinstance(v, float) and math.isnan(v))}}
 
 
@@ -31,9 +33,8 @@ def write_figure_row(storage: Storage, row: Mapping[str, Any]) -> None:
     """Append ``row`` to ``figures.jsonl`` (local roots) or write ``figures/step-*.json`` (a flush
     row: ``figures/step-*-level-*.json``)."""
     line = json.dumps(dict(row)).encode() + b"\n"
-    if storage.local:
-        with open(os.path.join(storage.root, "figures.jsonl"), "ab") as f:
-            f.write(line)
+    if storage.can_append:
+        storage.append("figures.jsonl", line)
     else:
         level = f"-level-{row['level']}" if row.get("kind") == "flush" else ""
         storage.write_atomic(f"figures/step-{row['step']:012d}{level}.json", line)

@@ -1,0 +1,102 @@
+"""One path: the destination of a ``Checkpointer`` with a single level (see destination.py).
+
+Rank 0 creates and sweeps the root at open and commits every attempt on its persist thread (the
+manifest, commit.py); the other ranks wait for that manifest in ``wait()``. Retention runs on rank
+0 after each commit; under a full storage, persist may make room (``failure.py``). Reading is
+:func:`restore_agreed.restore`: with the job's communicator for ``restore()``, alone for ``load()``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .agree import on_rank0
+from .comm import Comm, LocalComm
+from .commit import CommitInputs, retain, sweep, wait_for_commit, write_abort
+from .config import LevelSpec
+from .destination import Retention, new_generation
+from .errors import CheckpointError, NoCheckpointError
+from .format.catalog import committed, manifest_dirs
+from .levels.open import Level, open_storage
+from .persist import PersistJob
+from .restore import open_checkpoint
+from .restore_agreed import Loaded, restore
+from .storage import Storage
+
+
+class SingleLevel:
+    """A :class:`~ckpt_engine.destination.Destination` of one path (one level)."""
+
+    make_room = True
+
+    def __init__(self, spec: LevelSpec, comm: Comm, *, readonly: bool = False) -> None:
+        """Open the root (a collective: rank 0 creates and sweeps it unless ``readonly``; its failure
+        is raised on every rank) and agree on this incarnation's tag."""
+        storage = open_storage(spec)
+        if storage.protocol == "memory" and comm.world_size > 1:
+            raise CheckpointError(f"{spec.path!r}: memory:// lives in one process and cannot hold a checkpoint of "
+                                  f"{comm.world_size} ranks; use a shared filesystem or object store")
+        self.storage, self.keep_last, self.comm = storage, spec.keep_last, comm
+        self.levels = (Level(0, storage, spec.keep_last),)
+        self.generation: str = on_rank0(comm, lambda: _open_root(storage, readonly))
+        self._retention = Retention()
+
+    # ---- saving ---------------------------------------------------------------------------------
+    def saving(self, dirname: str, inputs: CommitInputs) -> CommitInputs | None:
+        """Rank 0's persist worker commits every attempt."""
+        return inputs if self.comm.rank == 0 else None
+
+    def skipped(self, dirname: str, step: int, saved_at: float) -> None:
+        """An abort marker, so that rank 0's commit stops waiting for this rank."""
+        if self.comm.world_size > 1:
+            write_abort(self.storage, dirname, self.comm.rank, "skipped")
+
+    def persisted(self, job: PersistJob) -> bool:
+        """Rank 0, after a commit: retention (older attempts, ``keep_last``) on the retention thread."""
+        if not (job.durable and job.record.committed):
+            return False
+        self._retention.submit(retain, self.storage, job.dirname, self.keep_last, self.generation)
+        return True
+
+    def await_commit(self, dirname: str, timeout: float) -> None:
+        if self.comm.rank != 0:
+            wait_for_commit(self.storage, dirname, self.comm.world_size, timeout)
+
+    def drain(self, timeout: float) -> None:
+        """Nothing below this level."""
+
+    def take_error(self) -> CheckpointError | None:
+        return None
+
+    def retention_failures(self, wait: bool) -> list[BaseException]:
+        return self._retention.failures(wait)
+
+    def close(self) -> list[BaseException]:
+        return self._retention.shutdown()
+
+    # ---- reading --------------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        return [e.step for e in committed(self.storage)]
+
+    def load(self, step: int | None, fallback: bool, threads: int, failures: list[str],
+             progress: bool) -> tuple[Any, Loaded]:
+        """The choice of :meth:`restore`, made by this process alone (no communication)."""
+        return restore(self.storage, LocalComm(), step, fallback, threads, failures, rank=self.comm.rank,
+                       progress=progress)
+
+    def restore(self, step: int | None, fallback: bool, threads: int, failures: list[str]) -> tuple[Any, Loaded]:
+        return restore(self.storage, self.comm, step, fallback, threads, failures)
+
+    def open_newest(self) -> Loaded:
+        found = manifest_dirs(self.storage)
+        if not found:
+            raise NoCheckpointError(f"no committed checkpoint at {self.storage.describe('')}")
+        return Loaded(open_checkpoint(self.storage, found[-1][1]), self.storage)
+
+
+def _open_root(storage: Storage, readonly: bool) -> str:
+    """Rank 0 at start: create and sweep the root (unless read-only); the new incarnation's name."""
+    if not readonly:
+        storage.makedirs("")  # a root that exists as a file is a StorageError saying so
+        sweep(storage)
+    return new_generation()

@@ -1,0 +1,310 @@
+"""The storage contract: what the engine asks of a checkpoint root, and what both implementations share.
+
+``Storage(url)`` opens the URL with fsspec and returns the implementation for it, the way
+``pathlib.Path(...)`` returns a ``PosixPath``: :class:`~.local.LocalStorage` for this machine's
+files, :class:`~.fsspec_storage.FsspecStorage` for everything else. Why ``__new__`` and not a
+factory function: ``Storage(url, storage_options)`` is how the README, the front ends and users'
+code open a root, and ``isinstance(x, Storage)`` is how a level given as an object is told from
+a URL, so both keep working unchanged.
+
+A subclass of ``Storage`` itself (the doubles of :mod:`ckpt_engine.testing`, a user's own fault
+injection) works on either implementation: ``SlowStorage(url)`` returns an instance of a class
+made once per pair, ``SlowStorage`` first and the implementation after it, so ``super()`` in its
+overrides reaches the real operation for that URL (the class keeps the subclass's name; it
+pickles as the subclass plus its state). Such a subclass keeps ``(url, storage_options, ...)``
+as its constructor's first arguments. A subclass of an implementation opens only what that
+implementation opens.
+
+Guarantees of every implementation:
+
+* ``write_stream``: the bytes are durable when it returns.
+* ``write_atomic``: readers see the old content or the new, never a part.
+* every existence check and listing is fresh, because the committer polls for files other
+  processes write (how often: ``polling``, see :mod:`.poll`).
+* every failure is raised as :class:`StorageError` naming the action and the path (:meth:`run`).
+"""
+
+from __future__ import annotations
+
+import abc
+import posixpath
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Sequence, TypeVar
+
+import fsspec
+
+from ..errors import CheckpointError, StorageError
+from ..format import guard
+from .poll import Polling
+
+T = TypeVar("T")
+
+TMP_PREFIX = ".tmp-"
+"""Name prefix of the temporary files ``write_atomic`` renames into place."""
+
+Chunks = Sequence[memoryview | bytes] | Iterable[memoryview | bytes]
+
+
+class Storage(abc.ABC):
+    """A checkpoint root directory (``/dir``, ``file:///dir``, ``memory://x``, ``s3://b/p`` ...).
+
+    ``storage_options``: fsspec options of the URL's filesystem. ``retry_deadline``: seconds to
+    keep retrying transient errors on remote filesystems. Paths given to the methods (``rel``)
+    are relative to the root, ``/``-separated; ``""`` is the root itself. Methods may be called
+    from any thread.
+    """
+
+    polling: ClassVar[Polling]
+    """How often waits poll this storage (:mod:`.poll`)."""
+    can_append: ClassVar[bool] = False
+    """Whether :meth:`append` works here (object stores have no append)."""
+    _backend: ClassVar[str | None] = None  # set by the implementations: "local" or "fsspec"
+
+    url: str
+    """The URL this storage was opened with (a :meth:`child`'s extended by its name)."""
+    protocol: str
+    """The filesystem's protocol (``file``, ``memory``, ``s3``...)."""
+    retry_deadline: float
+
+    def __new__(cls, url: str | None = None, storage_options: dict[str, Any] | None = None,
+                *args: Any, **kwargs: Any) -> "Storage":
+        if url is None or cls._backend is not None:
+            return super().__new__(cls)
+        fs, root = _open_url(url, storage_options)
+        obj = super().__new__(_implementing(cls, fs))
+        obj.__dict__["_opened"] = (fs, root)  # for __init__: the URL is resolved once
+        return obj
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *,
+                 retry_deadline: float = 60.0) -> None:
+        opened = self.__dict__.pop("_opened", None)
+        fs, root = opened if opened is not None else _open_url(url, storage_options)
+        self.url = str(url)
+        self.protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+        self.retry_deadline = retry_deadline
+        self._attach(fs, root)
+
+    @abc.abstractmethod
+    def _attach(self, fs: Any, root: str) -> None:
+        """Take the opened filesystem and root (in its terms); refuse one this class cannot serve."""
+
+    # ---- naming -------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def path(self, *parts: str) -> str:
+        """Absolute path (in the filesystem's terms) of ``parts`` below the root."""
+
+    def describe(self, *parts: str) -> str:
+        """A path for messages: URL-like, so users can paste it (never credentials)."""
+        return f"{self.protocol}://{self.path(*parts)}"
+
+    def child(self, name: str) -> "Storage":
+        """The same storage (same class and settings, same filesystem client, same test-double
+        state) rooted at ``name`` below this root: a rank's own subtree of a node-local level."""
+        sub = object.__new__(type(self))
+        sub.__dict__.update(self.__dict__)
+        sub._reroot(self.path(name))
+        sub.url = f"{self.url.rstrip('/')}/{name}"
+        return sub
+
+    @abc.abstractmethod
+    def _reroot(self, root: str) -> None:
+        """Make ``root`` (a :meth:`path` of the old root) this storage's root."""
+
+    # ---- writing ------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def makedirs(self, rel: str) -> None:
+        """Create directory ``rel`` and its parents (a no-op where there are no directories).
+
+        ``rel=""`` creates the root; a root that exists as something else than a directory is
+        a :class:`StorageError` saying so.
+        """
+
+    @abc.abstractmethod
+    def write_stream(self, rel: str, chunks: Chunks, *, sync_dir: bool = True) -> int:
+        """Write ``chunks`` to file ``rel``; durable when this returns. Returns the byte count.
+
+        ``sync_dir=False`` leaves the directory entry to a later ``write_atomic`` in the same
+        directory (its directory sync covers both): one fsync fewer per file on local disks.
+
+        ``chunks`` that is neither a sequence nor an iterator (an iterable whose every ``iter()``
+        is a fresh pass, such as a copy streamed from another storage) is consumed lazily, one
+        chunk in memory at a time where the backend allows, and iterated again on a retry.
+        A failed write never leaves a complete-looking file.
+        """
+
+    @abc.abstractmethod
+    def write_atomic(self, rel: str, data: bytes, *, durable: bool = True) -> None:
+        """Replace file ``rel`` with ``data`` so that readers never see a partial file.
+
+        ``durable=False`` (hints such as ``latest``) may skip the syncs, never the atomicity.
+        """
+
+    def append(self, rel: str, data: bytes) -> None:
+        """Append ``data`` to file ``rel`` (created when missing); only where :attr:`can_append`."""
+        raise StorageError(f"cannot append to {self.describe(rel)}: {self.protocol}:// has no append; "
+                           "write one file per record there")
+
+    @abc.abstractmethod
+    def remove(self, rel: str) -> None:
+        """Delete file or directory tree ``rel``; a missing one is not an error."""
+
+    def abort_uploads(self) -> list[str]:
+        """Abort unfinished multipart uploads below the root (crashed writers leave them billed
+        and invisible). Object stores that have them only; returns the keys aborted."""
+        return []
+
+    # ---- reading ------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def read_bytes(self, rel: str, limit: int = guard.MAX_METADATA_BYTES) -> bytes:
+        """Whole content of regular file ``rel``, at most ``limit`` bytes (metadata files only).
+
+        A FIFO, a device, a symbolic link below the root or a larger file is refused with a
+        :class:`FormatError` naming it, before anything is read (see :mod:`guard`).
+        """
+
+    @abc.abstractmethod
+    def regular_size(self, rel: str) -> int | None:
+        """Size of regular file ``rel``, ``None`` if missing; :class:`FormatError` for anything a
+        reader must not open (a FIFO, a device, a symbolic link below the root, a directory)."""
+
+    @abc.abstractmethod
+    def reader(self, rel: str) -> "Reader":
+        """An open file for ranged reads into caller-provided memory (close it, or use ``with``)."""
+
+    @abc.abstractmethod
+    def exists(self, rel: str) -> bool:
+        """Whether ``rel`` exists now (listing caches bypassed)."""
+
+    @abc.abstractmethod
+    def size(self, rel: str) -> int | None:
+        """Size of file ``rel`` in bytes, or ``None`` if it does not exist."""
+
+    @abc.abstractmethod
+    def listdir(self, rel: str = "") -> list[str]:
+        """Names (not paths) directly below ``rel``, fresh, sorted; empty when it does not exist."""
+
+    @abc.abstractmethod
+    def entries(self, rel: str = "") -> list[tuple[str, str]]:
+        """``(name, what it is)`` of each entry directly below ``rel``, fresh, sorted by name.
+
+        What it is, as messages name it: ``"a directory"``, ``"a file"``, and on local storage
+        also ``"a symbolic link"``, ``"a FIFO"``... (links not followed). An entry that vanishes
+        while it is looked at is left out.
+        """
+
+    @abc.abstractmethod
+    def usage(self, rel: str) -> tuple[int, float | None]:
+        """``(bytes, newest modification time or None)`` of the files below ``rel`` (or of file
+        ``rel``), fresh; ``(0, None)`` when it does not exist. An empty local directory counts
+        its own time (a save may just have created it)."""
+
+    def free_bytes(self) -> int | None:
+        """Bytes this process may still write at the root, ``None`` where that is unknown."""
+        return None
+
+    def stale_temp_files(self, rel: str = "") -> Iterator[str]:
+        """Temporary files a crashed ``write_atomic`` left in ``rel``."""
+        for name in self.listdir(rel):
+            if name.startswith(TMP_PREFIX):
+                yield posixpath.join(rel, name) if rel else name
+
+    # ---- the hook every operation goes through ------------------------------------------------
+    def run(self, action: str, rel: str, fn: Callable[[], T]) -> T:
+        """``fn()`` as one storage operation on ``rel``: errors become :class:`StorageError`
+        ("could not <action> <path>: ..."); remote implementations retry transient ones.
+
+        Every method above runs its backend calls through this, so an override (a test double
+        that injects a fault) fails the way a real backend error would.
+        """
+        with _StorageErrors(action, self.describe(rel)):
+            return fn()
+
+
+class Reader(abc.ABC):
+    """Ranged reads of one file straight into destination memory; from :meth:`Storage.reader`."""
+
+    def __init__(self, storage: Storage, rel: str) -> None:
+        self._storage, self._rel = storage, rel
+
+    @abc.abstractmethod
+    def _read(self, offset: int, dest: memoryview) -> int:
+        """Fill as much of ``dest`` as the file has at ``offset``; the byte count."""
+
+    def read_into(self, offset: int, dest: memoryview) -> None:
+        """Fill ``dest`` with the bytes at ``offset``; a short file is an error naming it."""
+        def read() -> None:
+            got = self._read(offset, dest)
+            if got != len(dest):
+                raise EOFError(f"file ends after {offset + got} bytes, {offset + len(dest)} expected")
+
+        self._storage.run("read", self._rel, read)
+
+    def close(self) -> None:
+        """Release the file (idempotent)."""
+
+    def __enter__(self) -> "Reader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _StorageErrors:
+    """Turn backend exceptions into :class:`StorageError` naming the action and path."""
+
+    def __init__(self, action: str, where: str) -> None:
+        self.action, self.where = action, where
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type | None, exc: BaseException | None, tb: object) -> None:
+        if exc is None or isinstance(exc, CheckpointError) or not isinstance(exc, Exception):
+            return
+        if isinstance(exc, FileNotFoundError) and self.action in ("stat", "list"):
+            return
+        raise StorageError(f"could not {self.action} {self.where}: {type(exc).__name__}: {exc}") from exc
+
+
+def _open_url(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
+    """``(fsspec filesystem, root in its terms)`` of ``url``; a :class:`StorageError` saying what to install."""
+    try:
+        return fsspec.core.url_to_fs(str(url), **(storage_options or {}))  # type: ignore[no-any-return]
+    except ImportError as e:
+        raise StorageError(f"cannot open checkpoint path {url!r}: {e}; install the fsspec backend for it "
+                           "(for s3://: pip install 'ckpt-suite[s3]')") from e
+    except ValueError as e:
+        raise StorageError(f"cannot open checkpoint path {url!r}: {e}") from e
+
+
+_MIXED: dict[tuple[type, type], type] = {}
+
+
+def _implementing(cls: type[Storage], fs: Any) -> type[Storage]:
+    """``cls`` on the implementation for ``fs``: the implementation itself for ``Storage``."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    from .fsspec_storage import FsspecStorage
+    from .local import LocalStorage
+
+    impl: type[Storage] = LocalStorage if isinstance(fs, LocalFileSystem) else FsspecStorage
+    return impl if cls is Storage else _mixed(cls, impl)
+
+
+def _mixed(named: type[Storage], impl: type[Storage]) -> type[Storage]:
+    """The class of ``named`` on ``impl`` (made once): ``named``'s overrides first, ``impl`` under them."""
+    mixed = _MIXED.get((named, impl))
+    if mixed is None:  # setdefault: two threads making it at once end up with the same class
+        mixed = _MIXED.setdefault((named, impl), type(named.__name__, (named, impl), {
+            "__module__": named.__module__, "__qualname__": named.__qualname__, "__reduce__": _reduce_mixed}))
+    return mixed
+
+
+def _reduce_mixed(self: Storage) -> tuple[Any, ...]:
+    """Pickled as the subclass it was made from plus the state (a mixed class is not importable)."""
+    return _unpickle_mixed, (*type(self).__bases__, dict(self.__dict__))
+
+
+def _unpickle_mixed(named: type[Storage], impl: type[Storage], state: dict[str, Any]) -> Storage:
+    obj = object.__new__(_mixed(named, impl))
+    obj.__dict__.update(state)
+    return obj  # type: ignore[no-any-return]

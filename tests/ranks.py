@@ -1,0 +1,96 @@
+"""Real multi-process jobs for the tests: gloo ranks of ``tests/dist_worker.py`` and their output.
+
+Shared by the integration and fault-injection tests (no test module imports another).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for ``MASTER_PORT``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_ranks(world: int, args: list[str], env_extra: dict | None = None) -> list[subprocess.Popen]:
+    """Start ``world`` ranks of dist_worker.py with ``args``, each in its own session (killable as a group)."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), **(env_extra or {}))
+        procs.append(subprocess.Popen([sys.executable, WORKER, *args], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, start_new_session=True))
+    return procs
+
+
+def run_ranks(world: int, mode: str, root: str, out, *extra: str) -> list[dict]:
+    """Run a job to its end (each rank must exit 0) and return every rank's ``rank-N.json`` from ``out``."""
+    out.mkdir(exist_ok=True)
+    procs = start_ranks(world, [mode, root, str(out), *extra])
+    for p in procs:
+        output, _ = p.communicate(timeout=240)
+        assert p.returncode == 0, output
+    return [json.load(open(out / f"rank-{r}.json")) for r in range(world)]
+
+
+def write_two_ranks(root: str, steps: int = 3) -> None:
+    """Save ``make_state(1..steps)`` from 2 real gloo ranks at ``root``."""
+    out = tempfile.mkdtemp(prefix="ckpt-two-ranks-")
+    try:
+        for p in start_ranks(2, ["save", root, out, str(steps)]):
+            output, _ = p.communicate(timeout=240)
+            assert p.returncode == 0, output
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def lines_of(proc) -> "queue.Queue[str]":
+    """The process's output lines, read by a daemon thread into a queue (``<eof>`` last)."""
+    q: queue.Queue[str] = queue.Queue()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            q.put(line.rstrip("\n"))
+        q.put("<eof>")
+
+    threading.Thread(target=pump, daemon=True).start()
+    return q
+
+
+def next_line(q, prefix: str, deadline: float) -> str:
+    """The next line starting with ``prefix``; fails on end of output or a traceback."""
+    while True:
+        line = q.get(timeout=max(0.1, deadline - time.monotonic()))
+        if line.startswith(prefix):
+            return line
+        if line == "<eof>":
+            raise AssertionError(f"rank 0 exited while waiting for {prefix!r}")
+        if "Error" in line or "Traceback" in line:
+            raise AssertionError(line)
+
+
+def kill_job(procs) -> None:
+    """SIGKILL every rank's process group and reap them."""
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for p in procs:
+        p.wait()
