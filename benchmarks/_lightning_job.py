@@ -49,8 +49,6 @@ import torch
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-import ckpt_engine.training.session as _session_module
-from ckpt_engine import Checkpointer
 from ckpt_engine.storage import Storage
 from lightning_ckpt import AsyncShardedCheckpoint
 
@@ -308,18 +306,6 @@ class SlowSwitch(Callback):
         SLOW["on"] = False
 
 
-class _slow_checkpointer:  # noqa: N801 - stands in for the class name in the session's module
-    """Stands in for the ``Checkpointer`` the training session opens: the same, over :class:`SlowStorage`.
-
-    The one seam left where this benchmark replaces a name of the library (the front ends take no
-    ``Storage``); swapped in the parent process only, so slow runs use one device.
-    """
-
-    @staticmethod
-    def from_config(config: Any, **kwargs: Any) -> Any:
-        return Checkpointer(SlowStorage(config.location), keep_last=config.keep_last, **kwargs)
-
-
 # ---- one run -----------------------------------------------------------------------------------------
 @dataclass
 class RunResult:
@@ -385,7 +371,8 @@ def run(job: Job, c: Contender, workdir: str, rep: int = 0, slow_at_step: Option
             from pytorch_lightning.plugins.io import AsyncCheckpointIO
             plugins.append(AsyncCheckpointIO())
     elif c.kind == "ours":
-        cb = TimedAsyncSharded(dirpath=ckdir, every_n_train_steps=c.every, overhead_budget=c.budget,
+        where = SlowStorage(ckdir) if slow_at_step is not None else ckdir  # slow runs: one device
+        cb = TimedAsyncSharded(dirpath=where, every_n_train_steps=c.every, overhead_budget=c.budget,
                                keep_last=c.keep, pipeline=c.pipeline, resume="never")
     elif c.kind != "none":
         raise ValueError(c.kind)
@@ -394,7 +381,6 @@ def run(job: Job, c: Contender, workdir: str, rep: int = 0, slow_at_step: Option
     if slow_at_step is not None:
         callbacks.append(SlowSwitch(slow_at_step))
         SLOW.update(sleep_s=slow_sleep_s, seconds_per_byte=slow_seconds_per_byte)
-        _session_module.Checkpointer = _slow_checkpointer  # type: ignore[assignment,misc]
     pl.seed_everything(job.seed, verbose=False)
     load = CpuLoad()
     trainer = pl.Trainer(accelerator="cpu", devices=job.devices,
@@ -402,10 +388,7 @@ def run(job: Job, c: Contender, workdir: str, rep: int = 0, slow_at_step: Option
                          callbacks=callbacks, plugins=plugins or None, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, enable_checkpointing=c.kind.startswith("mc"),
                          limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=workdir)
-    try:
-        trainer.fit(MLP(job))
-    finally:
-        _session_module.Checkpointer = Checkpointer  # type: ignore[misc]
+    trainer.fit(MLP(job))
     foreign = load.foreign_cores()
     with open(out) as f:
         res = json.load(f)

@@ -98,7 +98,7 @@ def _level(entry: Any, i: int, options: Mapping[str, Any], keep_last: int | None
         raise ConfigError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; a level takes "
                           f"{', '.join(_LEVEL_KEYS)}")
     path = entry.get("path")
-    is_storage = allow_storage and not isinstance(path, str) and hasattr(path, "listdir")
+    is_storage = allow_storage and _is_storage(path)
     if not is_storage and (not isinstance(path, str) or not path):
         raise ConfigError(f"{where}: 'path' must be a non-empty string (a directory or fsspec URL), got {path!r}")
     own = entry.get("storage_options")
@@ -113,7 +113,8 @@ def _level(entry: Any, i: int, options: Mapping[str, Any], keep_last: int | None
 class CheckpointConfig:
     """Validated checkpoint settings (see the module docstring for the flags)."""
 
-    path: str | None = None
+    path: Any = None
+    """A directory or fsspec URL; in code also a ``Storage`` (e.g. a ``ckpt_engine.testing`` double)."""
     every_n_steps: int | None = None
     every_seconds: float | None = None
     overhead_budget: float | None = None
@@ -131,9 +132,9 @@ class CheckpointConfig:
                self.keep_last, "a positive integer")
         if self.levels is not None:
             object.__setattr__(self, "levels", parse_levels(self.levels, storage_options=self.storage_options,
-                                                            keep_last=self.keep_last))
-        elif not isinstance(self.path, str) or not self.path:
-            raise ConfigError(f"'path' must be a non-empty string, got {self.path!r}")
+                                                            keep_last=self.keep_last, allow_storage=True))
+        elif not _is_storage(self.path) and (not isinstance(self.path, str) or not self.path):
+            raise ConfigError(f"'path' must be a non-empty string (or, in code, a Storage), got {self.path!r}")
         triggers = [k for k in ("every_n_steps", "every_seconds", "overhead_budget") if getattr(self, k) is not None]
         if len(triggers) > 1:
             raise ConfigError(f"{' and '.join(triggers)} are mutually exclusive: choose one trigger "
@@ -149,8 +150,10 @@ class CheckpointConfig:
 
     @property
     def location(self) -> str:
-        """The checkpoint root: ``path``, or the first (fastest) level's path."""
-        return self.path if self.path is not None else self.levels[0].location  # type: ignore[index]
+        """The checkpoint root as text: ``path`` (a ``Storage``'s URL), or the first (fastest) level's."""
+        if self.path is not None:
+            return LevelSpec(self.path).location
+        return self.levels[0].location  # type: ignore[index]
 
     def policy(self) -> Policy:
         """The trigger policy these settings describe.
@@ -250,6 +253,13 @@ class Never(Policy):
 
     def next_due(self, step: int) -> int:
         return 2**62
+
+
+def _is_storage(x: object) -> bool:
+    """A :class:`~ckpt_engine.storage.Storage` given in code (tests and benchmarks wrap one; YAML cannot)."""
+    from .storage import Storage  # lazily: the schema itself does not need fsspec
+
+    return isinstance(x, Storage)
 
 
 def _positive(x: object) -> bool:

@@ -31,13 +31,13 @@ from ckpt_engine.comm import Comm
 from ckpt_engine.config import UNSET, resolve_config
 from ckpt_engine.errors import NoCheckpointError
 from ckpt_engine.training.parts import Parts, Resumed
-from ckpt_engine.training.position import read_position
 from ckpt_engine.training.resumable import make_resumable, set_rng_state
 from ckpt_engine.training.session import TrainingSession
 
 from . import _hparams, _preempt
 from ._hparams import Hparams, OptimizerHparams
 from ._state import Tracked
+from ._epochs import EpochLoop
 from .comm import HorovodComm
 
 
@@ -98,20 +98,28 @@ class HorovodCheckpointer:
         stop = _preempt.agreement(self.comm.world_size) if save_on_sigterm else None
         self.ck = self.session.start(self.comm, stop=stop)
         self.step = 0
-        self.epoch = 0
+        self.resumed_from: int | None = None
+        self._epochs = EpochLoop(self.sampler, self.comm.world_size)
+        self._closed = False
+        self.session.begin()  # SIGTERM handler (main thread)
+
+    @property
+    def epoch(self) -> int:
         """After :meth:`restore`: the epoch to run next (the interrupted one, or the next when
         the checkpoint ended an epoch), in the numbering of the script that wrote it when that
         script used :meth:`epochs`. Then the running epoch (the sampler's without :meth:`epochs`)."""
-        self.samples_in_epoch = 0
+        return self._epochs.epoch
+
+    @property
+    def samples_in_epoch(self) -> int:
         """After :meth:`restore`: samples of that epoch all ranks together had already consumed."""
-        self.batch_in_epoch = 0
+        return self._epochs.samples_in_epoch
+
+    @property
+    def batch_in_epoch(self) -> int:
         """After :meth:`restore`: batches of that epoch each rank had already consumed (exact on
         the same number of ranks; with another number, the completed batches of the new split)."""
-        self.resumed_from: int | None = None
-        self._loop: dict[str, Any] | None = None  # while epochs() drives the loop: see loop_state()
-        self._resume_epoch: int | None = None     # after restore(): the script's next epoch, when known
-        self._closed = False
-        self.session.begin()  # SIGTERM handler (main thread)
+        return self._epochs.batch_in_epoch
 
     @property
     def rank(self) -> int:
@@ -154,25 +162,10 @@ class HorovodCheckpointer:
         self.step = self.resumed_from = int(state["step"])
         if resumed.rng is not None:
             set_rng_state(resumed.rng)
-        self._resume_data(mine.get("data"), resumed.rng, state.get("loop"))
+        self._epochs.resume(mine.get("data"), resumed.rng, state.get("loop"))
         return _hparams.after_restore(self.optimizer_hparams, optimizer, scheduler, script,
                                       resumed.manifest.world_size, self.world_size, self.rank)
 
-    def _resume_data(self, data: dict[str, Any] | None, rng: dict[str, Any] | None,
-                     loop: dict[str, Any] | None) -> None:
-        sampler_epoch, pos = None, read_position(data)  # any version this code wrote
-        if pos is not None and self.sampler is not None:
-            # Between restore() and the resumed iteration the DataLoader draws its own seed from the
-            # global RNG (at iter()); the uninterrupted run had no such draw mid-epoch, so the
-            # restored RNG is put back once more when the iteration starts.
-            on_start = (lambda: set_rng_state(rng)) if rng is not None else None
-            sampler_epoch, done = self.sampler.resume_at(pos, on_start)
-            self.samples_in_epoch = done if pos["mode"] == "global" else done * self.world_size
-            bs = pos["batch_size"] or 0
-            self.batch_in_epoch = self.samples_in_epoch // (self.world_size * bs) if bs else 0
-        self._resume_epoch = next_epoch(loop, sampler_epoch)
-        if self._resume_epoch is not None:
-            self.epoch = self._resume_epoch
 
     # ---- the epoch loop -----------------------------------------------------------------------
     def epochs(self, start: int, stop: int) -> Iterator[int]:
@@ -189,14 +182,7 @@ class HorovodCheckpointer:
         (counting its iterations from 0) resumes in step too. Without a sampler no data position
         is known: the interrupted epoch runs again from its start. Every rank, after :meth:`restore`.
         """
-        first = start if self._resume_epoch is None else max(start, self._resume_epoch)
-        for epoch in range(first, stop):
-            if self.sampler is not None and hasattr(self.sampler, "set_epoch"):
-                self.sampler.set_epoch(epoch)
-            self.epoch = epoch
-            self._loop = loop_state(epoch, self.sampler)
-            yield epoch
-            self._loop = {**self._loop, "ended": True}
+        return self._epochs.epochs(start, stop)
 
     # ---- saving -------------------------------------------------------------------------------
     def after_step(self) -> bool:
@@ -207,10 +193,7 @@ class HorovodCheckpointer:
         """
         self._check_open()
         self.step += 1
-        if self.sampler is not None:
-            self.sampler.note_step()
-            if self._loop is None:
-                self.epoch = self.sampler.running_epoch
+        self._epochs.after_step()
         due = self.session.due(self.step)
         if due:
             self.session.save(self.step)
@@ -235,8 +218,8 @@ class HorovodCheckpointer:
 
     def _capture(self) -> Parts:
         replicated, per_rank = self.tracked.capture()
-        return Parts({"objects": replicated, "step": self.step, "loop": self._loop},
-                     {"objects": per_rank, "data": self.sampler.data_position() if self.sampler is not None else None})
+        return Parts({"objects": replicated, "step": self.step, "loop": self._epochs.loop},
+                     {"objects": per_rank, "data": self._epochs.data_position()})
 
     @property
     def records(self) -> list[Any]:
@@ -268,23 +251,3 @@ class HorovodCheckpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this HorovodCheckpointer is closed")
-
-
-def loop_state(epoch: int, sampler: Any) -> dict[str, Any]:
-    """What a checkpoint records of the loop :meth:`HorovodCheckpointer.epochs` drives: the script's
-    ``epoch``, whether its body ``ended`` (set when the loop moves on; only the last epoch's is
-    ever saved so), and ``offset``, the script's number minus the sampler's (0 when ``epochs()``
-    sets the sampler's epoch; else the sampler counts its own iterations), ``None`` without one."""
-    offset = epoch - sampler.next_epoch if sampler is not None else None
-    return {"epoch": epoch, "ended": False, "offset": offset}
-
-
-def next_epoch(loop: dict[str, Any] | None, sampler_epoch: int | None) -> int | None:
-    """The script's epoch to run next after a restore: the sampler's resumed epoch (already one
-    further when the checkpoint ended an epoch) in the script's numbering; without a sampler, the
-    saved epoch, or the next when its body had ended; ``None`` when the checkpoint does not say."""
-    if sampler_epoch is not None:
-        return sampler_epoch + (loop["offset"] if loop is not None and loop["offset"] is not None else 0)
-    if loop is not None:
-        return int(loop["epoch"]) + (1 if loop["ended"] else 0)
-    return None

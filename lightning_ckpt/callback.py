@@ -50,7 +50,8 @@ class AsyncShardedCheckpoint(*_lightning.bases("callbacks.Callback")):  # type: 
     """Asynchronous, rank-sliced checkpoints to any fsspec path, with exact resume.
 
     Args:
-        path / dirpath: checkpoint root (local path or fsspec URL); ``dirpath`` is Lightning's name.
+        path / dirpath: checkpoint root (local path or fsspec URL; in code also a ``ckpt_engine.storage.Storage``,
+            e.g. a ``ckpt_engine.testing`` double); ``dirpath`` is Lightning's name.
         every_n_steps / every_n_train_steps: checkpoint every N optimizer steps.
         every_seconds / train_time_interval: about every T seconds (a number or a ``timedelta``).
         overhead_budget: adaptive frequency under this fraction of training time (e.g. ``0.035``).
@@ -99,7 +100,7 @@ class AsyncShardedCheckpoint(*_lightning.bases("callbacks.Callback")):  # type: 
         self._last_global_step = -1
         self._comm: Any = None
         self._quiet: Any = None  # the filter silencing Lightning's "not resumable" warning while resuming
-        self._due: tuple[int, int] | None = None  # (epoch, batches): a checkpoint decided at an epoch's last batch
+        self._due = False  # a checkpoint decided at an epoch's last batch, taken after that epoch's end
         self._restarted_epoch = False  # restored from ours; the first epoch's end not reached yet
 
     @property
@@ -183,14 +184,14 @@ class AsyncShardedCheckpoint(*_lightning.bases("callbacks.Callback")):  # type: 
         if trainer.global_step == self._last_global_step:
             return  # gradient accumulation: no optimizer step yet, the state is not consistent
         self._last_global_step = step = trainer.global_step
-        now = lambda: self._capture(trainer, batch_idx + 1)  # noqa: E731
+        now = lambda: self._capture(trainer)  # noqa: E731
         if self.session.due(step, now):
             if batch_idx + 1 >= trainer.num_training_batches:
                 # The epoch's end (validation, epoch schedulers, epoch-end hooks) still has to run and a
                 # restart from here would skip it: take this checkpoint once it has run.
-                self._due = (trainer.current_epoch, batch_idx + 1)
+                self._due = True
             else:
-                self._save(trainer, batch_idx + 1, defer=self.pipeline)
+                self._save(trainer)
         self.session.report()
         if self.session.preempted():  # a rank got SIGTERM: all agree here
             self.session.stop(step, now)
@@ -206,20 +207,17 @@ class AsyncShardedCheckpoint(*_lightning.bases("callbacks.Callback")):  # type: 
 
     def _save_due(self, trainer: "Trainer", pl_module: "LightningModule") -> None:
         """Take the checkpoint decided at the last batch of the previous epoch, now that its end has run."""
-        if self._due is None:
-            return
-        epoch, consumed = self._due
-        self._due = None
-        self._save(trainer, consumed, defer=self.pipeline, epoch=epoch, between_epochs=True)
+        if self._due:
+            self._due = False
+            self._save(trainer, between_epochs=True)
 
     def on_train_end(self, trainer: "Trainer", pl_module: "LightningModule") -> None:
         if not self.session.active:
             return
         self._save_due(trainer, pl_module)
-        consumed = self._consumed(trainer)
+        between_epochs = self._consumed(trainer) >= trainer.num_training_batches
         self.session.finish(trainer.global_step, final=self.save_on_train_end,  # and waits for the flushes
-                            capture=lambda: self._capture(trainer, consumed,
-                                                          between_epochs=consumed >= trainer.num_training_batches))
+                            capture=lambda: self._capture(trainer, between_epochs))
 
     def on_train_batch_start(self, trainer: "Trainer", *args: Any, **kwargs: Any) -> None:
         self._quiet = _lightning.unsilence(self._quiet)
@@ -237,7 +235,7 @@ class AsyncShardedCheckpoint(*_lightning.bases("callbacks.Callback")):  # type: 
         else:
             final = self.save_on_exception
         self.session.abort(trainer.global_step, exception, final=final,
-                           capture=lambda: self._capture(trainer, self._consumed(trainer)))
+                           capture=lambda: self._capture(trainer))
 
     def teardown(self, trainer: "Trainer", pl_module: "LightningModule", stage: str) -> None:
         self._quiet = _lightning.unsilence(self._quiet)
@@ -247,15 +245,12 @@ class AsyncShardedCheckpoint(*_lightning.bases("callbacks.Callback")):  # type: 
     def _consumed(self, trainer: "Trainer") -> int:
         return int(trainer.fit_loop.epoch_loop.batch_progress.current.completed)
 
-    def _save(self, trainer: "Trainer", consumed: int, defer: bool, epoch: int | None = None,
-              between_epochs: bool = False) -> None:
-        """A periodic checkpoint of this step (``_due``: of the previous epoch's last batch)."""
-        self.session.save(trainer.global_step, lambda: self._capture(trainer, consumed, epoch, between_epochs),
-                          defer=defer)
+    def _save(self, trainer: "Trainer", between_epochs: bool = False) -> None:
+        """A periodic checkpoint of this step (``between_epochs``: of the previous epoch's last batch)."""
+        self.session.save(trainer.global_step, lambda: self._capture(trainer, between_epochs), defer=self.pipeline)
 
-    def _capture(self, trainer: "Trainer", consumed: int, epoch: int | None = None,
-                 between_epochs: bool = False) -> Parts:
-        """What a checkpoint now holds (see the module docstring), ``consumed`` batches into the epoch."""
+    def _capture(self, trainer: "Trainer", between_epochs: bool = False) -> Parts:
+        """What a checkpoint now holds (see the module docstring); the data position from the sampler."""
         checkpoint = _trainer_api.dump_checkpoint(trainer)
         if between_epochs:
             _trainer_api.as_between_epochs(checkpoint)

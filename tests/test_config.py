@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt_engine.config import CheckpointConfig, ConfigError, Never
+from ckpt_engine.config import CheckpointConfig, ConfigError, Never, resolve_config
 from ckpt_engine.training.policy import Adaptive, EveryNSteps, EverySeconds, MaxInterval
 
 
@@ -80,3 +80,25 @@ def test_yaml_file(tmp_path):
     listy.write_text("- a\n")
     with pytest.raises(ConfigError, match="expected a mapping"):
         CheckpointConfig.from_yaml(str(listy))
+
+
+def test_a_storage_given_in_code_is_a_path_and_its_url_the_location(tmp_path):
+    """Code (tests, benchmarks, users testing their failure handling) may hand the front ends a Storage."""
+    import torch
+
+    from ckpt_engine import Checkpointer
+    from ckpt_engine.testing import SlowStorage
+
+    storage = SlowStorage(str(tmp_path / "ck"))
+    config = resolve_config(None, {"path": storage, "every_n_steps": 2})
+    assert config.path is storage and config.location == storage.url
+    ck = Checkpointer.from_config(config)
+    try:
+        assert ck.storage is storage
+        ck.save({"w": torch.ones(3)}, 1)
+        ck.wait()
+        assert ck.steps() == [1]
+    finally:
+        ck.close()
+    with pytest.raises(ConfigError, match="non-empty string"):
+        resolve_config(None, {"path": 42})
