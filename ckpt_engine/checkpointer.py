@@ -184,7 +184,7 @@ class Checkpointer:
         if self._pending is not None:
             self._pending.wait_snapshot()
         start, cpu = time.perf_counter(), time.thread_time()
-        enc, lenc = encode(state, "state"), encode(local, "local")
+        enc, lenc = encode(state, "state"), encode(local, "local", sharded=False)
         lay, plan = self._snapshots.plan(enc, lenc)
         self._seq += 1
         attempt = f"{self._dest.generation}{self._seq:08d}"
@@ -219,7 +219,7 @@ class Checkpointer:
         then land in that save's stall (about 0.2 s per GiB here).
         """
         self._check_open()
-        _, plan = self._snapshots.plan(encode(state, "state"), encode(local, "local"))  # with the staging areas
+        _, plan = self._snapshots.plan(encode(state, "state"), encode(local, "local", sharded=False))  # with the staging areas
         self._pool.reserve(plan.nbytes, pinned=bool(plan.devices))
 
     def wait(self, *, retention: bool = False, flush: bool = False, timeout: float | None = None) -> None:
@@ -279,8 +279,16 @@ class Checkpointer:
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def load(self, step: int | None = None, *, fallback: bool = False, progress: bool = False) -> Any:
+    def load(self, step: int | None = None, *, into: Any = None, fallback: bool = False,
+             progress: bool = False) -> Any:
         """The replicated state of the newest committed checkpoint (or of ``step``), on CPU.
+
+        Sharded tensors (``DTensor``) come back whole, as plain tensors. ``into``: a state to fill
+        in place instead (restore_into.py), e.g. a sharded model's and optimizer's state dicts
+        (FSDP2, HSDP, tensor parallel: any mesh and world size) or a plain one: every tensor in it
+        is filled (``copy_``, on its device), each rank reading only the pieces its own chunks
+        need; other values are replaced by the checkpoint's, keys the checkpoint lacks are an
+        error naming the key. Returns ``into``.
 
         Every byte read is verified; a mismatch raises :class:`CorruptionError` naming the file
         and tensor. So is the ``local`` of this rank's writer and of writer 0 (what the front ends
@@ -297,7 +305,7 @@ class Checkpointer:
         ``progress=True`` draws a byte progress bar on stderr when it is a terminal (rank 0).
         """
         self.load_failures = []
-        state, self._loaded = self._dest.load(step, fallback, self.read_threads, self.load_failures, progress)
+        state, self._loaded = self._dest.load(step, fallback, self.read_threads, self.load_failures, progress, into)
         return state
 
     def load_local(self, rank: int | None = None) -> Any:
@@ -310,7 +318,7 @@ class Checkpointer:
             self._loaded = self._dest.open_newest()
         return self._loaded.local(self.rank if rank is None else rank)
 
-    def restore(self, step: int | None = None, *, fallback: bool = True) -> Restored:
+    def restore(self, step: int | None = None, *, into: Any = None, fallback: bool = True) -> Restored:
         """Every rank, together (a collective): the checkpoint to resume from, and this rank's parts.
 
         The newest checkpoint (or the newest attempt of ``step``) whose replicated state, this
@@ -320,9 +328,10 @@ class Checkpointer:
         :class:`Restored`: ``state``, ``local`` (``None`` when this rank had no writer), ``first``
         (writer 0's), ``step``, ``manifest``; ``load_local()`` then returns the same values.
         Raises :class:`NoCheckpointError` when there is nothing (the front ends start fresh).
+        ``into``: fill that state in place (see :meth:`load`); ``state`` is then ``into``.
         """
         self.load_failures = []
-        state, loaded = self._dest.restore(step, fallback, self.read_threads, self.load_failures)
+        state, loaded = self._dest.restore(step, fallback, self.read_threads, self.load_failures, into)
         self._loaded = loaded
         m = loaded.manifest
         return Restored(m.step, loaded.opened.dirname, state, loaded.local(self.rank), loaded.local(0), m,

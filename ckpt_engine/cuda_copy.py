@@ -34,34 +34,10 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
+from .sharding.boxes import Box, index_boxes
+
 if TYPE_CHECKING:
     from .snapshot import HostBuffer, Piece
-
-Box = tuple[tuple[int, int], ...]
-"""Half-open index ranges, one per dimension."""
-
-
-def index_boxes(shape: Sequence[int], start: int, stop: int) -> tuple[Box, ...]:
-    """Elements ``start:stop`` of a row-major flattening of ``shape`` as at most ``2 * ndim - 1``
-    boxes, in order (their row-major flattenings, concatenated, are the range). Pure."""
-    if start >= stop:
-        return ()
-    if not shape:
-        return ((),)
-    inner = prod(shape[1:])
-    a, ra = divmod(start, inner)
-    b, rb = divmod(stop, inner)
-    if a == b:
-        return tuple(((a, a + 1),) + box for box in index_boxes(shape[1:], ra, rb))
-    out: list[Box] = []
-    if ra:
-        out += [((a, a + 1),) + box for box in index_boxes(shape[1:], ra, inner)]
-        a += 1
-    if b > a:
-        out.append(((a, b),) + tuple((0, n) for n in shape[1:]))
-    if rb:
-        out += [((b, b + 1),) + box for box in index_boxes(shape[1:], 0, rb)]
-    return tuple(out)
 
 
 def storage_span(boxes: Iterable[Box], stride: Sequence[int], offset: int) -> tuple[int, int]:

@@ -92,11 +92,13 @@ class Destination(Protocol):
         ...
 
     def load(self, step: int | None, fallback: bool, threads: int, failures: list[str],
-             progress: bool) -> tuple[Any, Loaded]:
-        """``Checkpointer.load()``: the state of the newest checkpoint (or ``step``) that verifies."""
+             progress: bool, into: Any = None) -> tuple[Any, Loaded]:
+        """``Checkpointer.load()``: the state of the newest checkpoint (or ``step``) that verifies
+        (``into`` filled in place from it, when given: restore_into.py)."""
         ...
 
-    def restore(self, step: int | None, fallback: bool, threads: int, failures: list[str]) -> tuple[Any, Loaded]:
+    def restore(self, step: int | None, fallback: bool, threads: int, failures: list[str],
+                into: Any = None) -> tuple[Any, Loaded]:
         """``Checkpointer.restore()``, every rank together: the same, verified on every rank."""
         ...
 

@@ -105,7 +105,8 @@ def write_rank(storage: Storage, job: PersistJob) -> None:
     def checksums() -> tuple[tuple[IndexEntry, ...], float]:
         begin = time.thread_time()
         entries = tuple(IndexEntry(p.local, p.tensor, p.start, p.stop, p.offset, p.nbytes,
-                                   xxhash.xxh3_64_hexdigest(view[p.offset:end])) for p, end in zip(job.pieces, ends))
+                                   xxhash.xxh3_64_hexdigest(view[p.offset:end]), box=p.box)
+                        for p, end in zip(job.pieces, ends))
         return entries, time.thread_time() - begin
 
     # The checksums (xxh3 releases the GIL) are computed beside the write, which reads the same

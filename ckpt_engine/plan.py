@@ -8,7 +8,9 @@ The rule (DeepFreeze: every rank writes part of every layer):
 
 * a tensor of at least ``split_threshold`` bytes is *split*: rank ``r`` of ``N`` owns elements
   ``[numel*r//N, numel*(r+1)//N)``;
-* a smaller tensor is *whole* on one rank, packed largest-first onto the least-loaded rank.
+* a smaller tensor is *whole* on one rank, packed largest-first onto the least-loaded rank;
+* a *sharded* tensor (``DTensor``) is not placed here: each rank writes its own chunk, split in
+  element ranges among the ranks that hold the same chunk (:func:`chunk_slice`).
 
 ``split_threshold = max(min_split_bytes, balance * total_bytes / N)``. Largest-first packing
 overshoots the mean by at most the largest whole item, so tying the threshold to the per-rank
@@ -21,13 +23,17 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
+from .sharding.boxes import Box, numel
+
 SPLIT = -1
 """Owner value of a tensor that is split across all ranks."""
+SHARDED = -2
+"""Owner value of a sharded tensor (a ``DTensor``): every rank writes part of its own chunk."""
 
 DEFAULT_BALANCE = 0.01
 DEFAULT_MIN_SPLIT_BYTES = 1024
@@ -52,11 +58,13 @@ class TensorMeta:
 
 @dataclass(frozen=True)
 class Slice:
-    """Elements ``[start, stop)`` of the flattened tensor ``tensor`` (an index into the table)."""
+    """Elements ``[start, stop)`` of the flattened tensor ``tensor`` (an index into the table); of
+    the chunk ``box`` of it when the tensor is sharded."""
 
     tensor: int
     start: int
     stop: int
+    box: Box | None = field(default=None, kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,8 @@ class Plan:
         """The non-empty slices ``rank`` writes, in tensor order (each rank calls it for itself)."""
         out = []
         for i, (meta, owner) in enumerate(zip(metas, self.owner)):
+            if owner == SHARDED:
+                continue
             if owner == SPLIT:
                 start, stop = split_range(meta.numel, rank, self.world_size)
                 if stop > start:
@@ -80,14 +90,15 @@ class Plan:
         return out
 
     def rank_bytes(self, metas: Sequence[TensorMeta]) -> list[int]:
-        """Bytes each rank writes, for all ranks at once (O(tensors × ranks) in numpy)."""
+        """Bytes each rank writes of the replicated tensors, for all ranks at once (O(tensors × ranks)
+        in numpy)."""
         n = self.world_size
         loads = np.zeros(n, dtype=np.int64)
         bounds = np.arange(n + 1, dtype=np.int64)
         for meta, owner in zip(metas, self.owner):
             if owner == SPLIT:
                 loads += np.diff(meta.numel * bounds // n) * meta.itemsize
-            else:
+            elif owner != SHARDED:
                 loads[owner] += meta.nbytes
         return [int(x) for x in loads]
 
@@ -97,21 +108,33 @@ def split_range(numel: int, rank: int, world_size: int) -> tuple[int, int]:
     return numel * rank // world_size, numel * (rank + 1) // world_size
 
 
+def chunk_slice(tensor: int, chunk: Box, replica: int, replicas: int) -> Slice | None:
+    """What the ``replica``-th of the ``replicas`` ranks holding ``chunk`` of sharded tensor
+    ``tensor`` writes: its share of the chunk's elements (``None``: nothing); the ranks holding the
+    same chunk (replicated along a mesh dimension) write it once between them."""
+    start, stop = split_range(numel(chunk), replica, replicas)
+    return Slice(tensor, start, stop, box=chunk) if stop > start else None
+
+
 def make_plan(
     metas: Sequence[TensorMeta],
     world_size: int,
     *,
     balance: float = DEFAULT_BALANCE,
     min_split_bytes: int = DEFAULT_MIN_SPLIT_BYTES,
+    sharded: Sequence[bool] = (),
 ) -> Plan:
-    """Place every tensor for ``world_size`` ranks (see the module docstring for the rule)."""
+    """Place every tensor for ``world_size`` ranks (see the module docstring for the rule);
+    ``sharded[i]`` marks tensor ``i`` as sharded (left to its holders)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    total = sum(m.nbytes for m in metas)
+    is_sharded = [i < len(sharded) and bool(sharded[i]) for i in range(len(metas))]
+    total = sum(m.nbytes for m, s in zip(metas, is_sharded) if not s)
     threshold = max(min_split_bytes, int(balance * total / world_size))
-    owner = [SPLIT if (world_size > 1 and m.nbytes >= threshold) else 0 for m in metas]
+    owner = [SHARDED if s else SPLIT if (world_size > 1 and m.nbytes >= threshold) else 0
+             for m, s in zip(metas, is_sharded)]
     if world_size > 1:
-        small = sorted((i for i, o in enumerate(owner) if o != SPLIT), key=lambda i: (-metas[i].nbytes, i))
+        small = sorted((i for i, o in enumerate(owner) if o >= 0), key=lambda i: (-metas[i].nbytes, i))
         heap = [(0, r) for r in range(world_size)]
         for i in small:
             load, rank = heapq.heappop(heap)

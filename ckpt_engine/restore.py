@@ -3,9 +3,15 @@
 Every rank reads what it needs directly from storage (the whole replicated state, which it
 reassembles from all writers' slices, whatever the writers' world size): on one machine the
 reads come from the page cache and beat a read-then-broadcast; the choice is measured in
-``benchmarks/bench_save.py``. Each slice is read straight into the destination tensor's memory
-(``preadv`` on local files), then hashed in place; files are read in parallel threads (both
-``preadv`` and xxhash release the GIL).
+``benchmarks/bench_save.py``. Each piece is read straight into the destination tensor's memory
+(``preadv`` on local files) when its elements are one run there, then hashed in place; otherwise
+(a chunk of another sharding, a CUDA target) into a temporary of the piece's size, hashed, and
+copied box by box into every target it meets (:class:`Places`). Files are read in parallel
+threads (both ``preadv`` and xxhash release the GIL).
+
+What is read is a list of :class:`Target`: the whole of every tensor (``load()``), or the
+regions of the tensors of a state given with ``load(into=...)`` (restore_into.py): then only the
+pieces that meet a target are read, each verified whole.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import xxhash
@@ -22,6 +28,7 @@ from .format.catalog import parse_dir
 from .errors import CorruptionError, FormatError, StorageError
 from .format.manifest import (MANIFEST_NAME, MAX_INDEX_BYTES, MAX_MANIFEST_BYTES, IndexEntry, Manifest, RankIndex,
                        TensorEntry, check_coverage, data_file, extents, index_file)
+from .sharding.boxes import Box, contiguous_start, full_box, intersect, numel, range_boxes, relative
 from .storage import Reader, Storage
 from .values import decode, parse_dtype
 
@@ -88,21 +95,98 @@ def tensor_name(t: TensorEntry, i: int) -> str:
     return f"'{t.name}'" if t.name else f"#{i}"
 
 
-def read_state(storage: Storage, ck: Opened, threads: int = 4, progress: Progress | None = None) -> object:
-    """The full replicated state of ``ck`` as CPU tensors and plain values."""
-    tensors = [_empty(t) for t in ck.manifest.tensors]
-    jobs = [(idx.rank, e) for idx in ck.indexes for e in idx.entries if not e.local]
+@dataclass(frozen=True)
+class Target:
+    """Region ``box`` of table tensor ``tensor``, to be filled into ``out`` (shaped as the box; on
+    any device)."""
+
+    tensor: int
+    box: Box
+    out: torch.Tensor
+
+
+class Places:
+    """Where each stored piece goes: the targets it meets, and whether it can be read in place.
+
+    Thread-safe after construction (reader threads only read it; targets are disjoint per tensor
+    or receive identical bytes).
+    """
+
+    def __init__(self, table: Sequence[TensorEntry], targets: Sequence[Target]) -> None:
+        self.table = table
+        self.targets: dict[int, list[Target]] = {}
+        for t in targets:
+            self.targets.setdefault(t.tensor, []).append(t)
+
+    def chunk(self, e: IndexEntry) -> Box:
+        """The box ``e``'s element range is of: its chunk, or the whole tensor."""
+        return e.box if e.box is not None else full_box(self.table[e.tensor].shape)
+
+    def needed(self, e: IndexEntry) -> bool:
+        """Whether any target meets the piece ``e``."""
+        targets = self.targets.get(e.tensor, ())
+        return any(intersect(b, t.box) is not None for _, b in range_boxes(self.chunk(e), e.start, e.stop)
+                   for t in targets)
+
+    def in_place(self, e: IndexEntry) -> memoryview | None:
+        """The bytes of the one target where ``e``'s elements are one run, or ``None`` (use a temporary)."""
+        targets = self.targets.get(e.tensor, ())
+        if len(targets) != 1 or targets[0].out.device.type != "cpu" or not targets[0].out.is_contiguous():
+            return None
+        t, chunk = targets[0], self.chunk(e)
+        at = e.start if chunk == t.box else None
+        if at is None:
+            whole = full_box(self.table[e.tensor].shape)
+            c0, t0 = contiguous_start(chunk, whole), contiguous_start(t.box, whole)
+            if c0 is None or t0 is None or not t0 <= c0 + e.start <= c0 + e.stop <= t0 + numel(t.box):
+                return None
+            at = c0 + e.start - t0
+        item = t.out.element_size()
+        return memoryview(t.out.reshape(-1).view(torch.uint8).numpy())[at * item:(at + e.stop - e.start) * item]
+
+    def scatter(self, e: IndexEntry, piece: torch.Tensor) -> None:
+        """Copy the verified elements of ``e`` (``piece``, flat) into every target they meet."""
+        for at, b in range_boxes(self.chunk(e), e.start, e.stop):
+            src = piece[at:at + numel(b)].view(tuple(hi - lo for lo, hi in b))
+            for t in self.targets.get(e.tensor, ()):
+                common = intersect(b, t.box)
+                if common is not None:
+                    t.out[relative(common, t.box)].copy_(src[relative(common, b)])
+
+
+def whole_targets(table: Sequence[TensorEntry], which: Sequence[int] | None = None) -> list[Target]:
+    """A new CPU tensor for every tensor of ``table`` (or those ``which`` names), whole."""
+    return [Target(i, full_box(table[i].shape), _empty(table[i])) for i in (range(len(table)) if which is None
+                                                                           else which)]
+
+
+def read_state(storage: Storage, ck: Opened, threads: int = 4, progress: Progress | None = None,
+               into: Any = None) -> object:
+    """The full replicated state of ``ck`` as CPU tensors and plain values; with ``into``, that
+    state filled in place (restore_into.py: only the pieces its tensors need are read)."""
+    where = storage.describe(f"{ck.dirname}/{MANIFEST_NAME}")
+    if into is not None:
+        from .restore_into import fill
+        return fill(into, ck.manifest, where, lambda targets: read_targets(storage, ck, targets, threads, progress))
+    targets = whole_targets(ck.manifest.tensors)
+    read_targets(storage, ck, targets, threads, progress)
+    return decode(ck.manifest.state, lambda i: targets[i].out, count=len(targets), where=where)
+
+
+def read_targets(storage: Storage, ck: Opened, targets: Sequence[Target], threads: int = 4,
+                 progress: Progress | None = None) -> None:
+    """Fill ``targets`` (regions of the table's tensors) from every stored piece that meets them."""
+    places = Places(ck.manifest.tensors, targets)
+    jobs = [(idx.rank, e) for idx in ck.indexes for e in idx.entries if not e.local and places.needed(e)]
     names = [tensor_name(t, i) for i, t in enumerate(ck.manifest.tensors)]
-    _read_entries(storage, ck, jobs, tensors, names, threads, progress)
-    return decode(ck.manifest.state, tensors.__getitem__, count=len(tensors),
-                  where=storage.describe(f"{ck.dirname}/{MANIFEST_NAME}"))
+    _read_entries(storage, ck, jobs, places, names, threads, progress)
 
 
 def read_local(storage: Storage, ck: Opened, rank: int, progress: Progress | None = None) -> object:
     """What writer ``rank`` saved as its ``local`` state."""
     idx = ck.indexes[rank]
     metas = idx.local_tensors
-    tensors = [_empty(t) for t in metas]
+    targets = whole_targets(metas)
     jobs = [(rank, e) for e in idx.entries if e.local]
     covered = [0] * len(metas)
     for _, e in jobs:
@@ -112,8 +196,8 @@ def read_local(storage: Storage, ck: Opened, rank: int, progress: Progress | Non
     if sum(covered) != len(metas):
         raise FormatError(f"{storage.describe(f'{ck.dirname}/{index_file(rank)}')}: local tensors missing")
     names = [f"local {tensor_name(t, i)}" for i, t in enumerate(metas)]
-    _read_entries(storage, ck, jobs, tensors, names, 2, progress)
-    return decode(idx.local, tensors.__getitem__, count=len(tensors),
+    _read_entries(storage, ck, jobs, Places(metas, targets), names, 2, progress)
+    return decode(idx.local, lambda i: targets[i].out, count=len(targets),
                   where=storage.describe(f"{ck.dirname}/{index_file(rank)}"))
 
 
@@ -141,11 +225,16 @@ def tensor_reader(storage: Storage, ck: Opened, threads: int = 4,
 
     def read(i: int) -> torch.Tensor:
         meta = ck.manifest.tensors[i]
-        out = {i: _empty(meta)}
-        _read_entries(storage, ck, jobs[i], out, {i: tensor_name(meta, i)}, threads, progress, ends)
-        return out[i]
+        target = Target(i, full_box(meta.shape), _empty(meta))
+        _read_entries(storage, ck, jobs[i], Places(ck.manifest.tensors, [target]), {i: tensor_name(meta, i)},
+                      threads, progress, ends)
+        return target.out
 
     return read
+
+
+def _elements(e: IndexEntry) -> str:
+    return f"elements {e.start}:{e.stop}" + (f" of chunk {[list(r) for r in e.box]}" if e.box is not None else "")
 
 
 def _numel(t: TensorEntry) -> int:
@@ -163,11 +252,11 @@ def _extents_by_rank(ck: Opened) -> dict[int, dict[IndexEntry, int]]:
     return {idx.rank: dict(zip(idx.entries, extents(idx.entries, idx.data_bytes))) for idx in ck.indexes}
 
 
-def _read_entries(storage: Storage, ck: Opened, jobs: Sequence[tuple[int, IndexEntry]],
-                  tensors: Sequence[torch.Tensor] | Mapping[int, torch.Tensor],
+def _read_entries(storage: Storage, ck: Opened, jobs: Sequence[tuple[int, IndexEntry]], places: Places,
                   names: Sequence[str] | Mapping[int, str], threads: int, progress: Progress | None = None,
                   ends: dict[int, dict[IndexEntry, int]] | None = None) -> None:
-    """Read and verify every entry (and its padding), in up to ``threads`` groups of about equal bytes."""
+    """Read and verify every entry (and its padding), in up to ``threads`` groups of about equal
+    bytes, into its place (``places``)."""
     dirname = ck.dirname
     ends = _extents_by_rank(ck) if ends is None else ends
     ordered = sorted(jobs, key=lambda j: (j[0], j[1].offset))
@@ -185,9 +274,11 @@ def _read_entries(storage: Storage, ck: Opened, jobs: Sequence[tuple[int, IndexE
             for rank, e in group:
                 if rank not in readers:
                     readers[rank] = storage.reader(f"{dirname}/{data_file(rank)}")
-                t = tensors[e.tensor]
-                item = t.element_size()
-                dest = memoryview(t.reshape(-1).view(torch.uint8).numpy())[e.start * item:e.stop * item]
+                dest = places.in_place(e)
+                temp = None
+                if dest is None:
+                    temp = torch.empty(e.stop - e.start, dtype=parse_dtype(places.table[e.tensor].dtype))
+                    dest = memoryview(temp.view(torch.uint8).numpy())
                 readers[rank].read_into(e.offset, dest)
                 digest = xxhash.xxh3_64(dest)
                 padding = memoryview(bytearray(ends[rank][e] - e.offset - e.nbytes))
@@ -197,7 +288,9 @@ def _read_entries(storage: Storage, ck: Opened, jobs: Sequence[tuple[int, IndexE
                 if digest.hexdigest() != e.xxh3:
                     raise CorruptionError(
                         f"{storage.describe(f'{dirname}/{data_file(rank)}')}: checksum mismatch in tensor "
-                        f"{names[e.tensor]} (elements {e.start}:{e.stop} at byte {e.offset})")
+                        f"{names[e.tensor]} ({_elements(e)} at byte {e.offset})")
+                if temp is not None:
+                    places.scatter(e, temp)
                 if progress is not None:
                     progress(e.nbytes)
         finally:

@@ -85,20 +85,21 @@ def local_ranks(rank: int, writers: int) -> list[int]:
 
 
 def read_for_rank(storage: Storage, ck: Opened, rank: int, threads: int,
-                  progress: Progress | None = None) -> tuple[Any, dict[int, Any]]:
-    """The replicated state of ``ck`` and the ``local`` of every writer in :func:`local_ranks`,
-    each verified; raises :class:`CorruptionError`/:class:`FormatError` naming the file otherwise."""
-    state = read_state(storage, ck, threads, progress)
+                  progress: Progress | None = None, into: Any = None) -> tuple[Any, dict[int, Any]]:
+    """The replicated state of ``ck`` (or ``into`` filled from it: restore_into.py) and the ``local``
+    of every writer in :func:`local_ranks`, each verified; raises :class:`CorruptionError` or
+    :class:`FormatError` naming the file otherwise."""
+    state = read_state(storage, ck, threads, progress, into)
     return state, {r: read_local(storage, ck, r) for r in local_ranks(rank, ck.manifest.world_size)}
 
 
 def restore(storage: Storage, comm: Comm, step: int | None, fallback: bool, threads: int, failures: list[str], *,
-            rank: int | None = None, progress: bool = False) -> tuple[Any, Loaded]:
+            rank: int | None = None, progress: bool = False, into: Any = None) -> tuple[Any, Loaded]:
     """Every rank of ``comm``: the newest checkpoint (or the newest attempt of ``step``) whose parts
     verify on every rank, as ``(state, loaded)``; see the module docstring.
 
     ``rank``: whose parts to read (default ``comm.rank``; ``load()`` passes its rank with a
-    :class:`LocalComm`). ``progress``: a byte progress bar on stderr (rank 0, when a terminal).
+    :class:`LocalComm`). ``into``: a state to fill in place instead of a new one (restore_into.py). ``progress``: a byte progress bar on stderr (rank 0, when a terminal).
     Appends what failed to ``failures``. Without ``fallback`` the first failure raises on every
     rank: its own error where it failed, a :class:`CorruptionError` naming the others elsewhere.
     Raises :class:`NoCheckpointError` when there is none.
@@ -111,7 +112,7 @@ def restore(storage: Storage, comm: Comm, step: int | None, fallback: bool, thre
     for _, dirname in reversed(found):
         own: BaseException | None = None
         try:
-            state, loaded = _read(storage, dirname, rank, threads, progress and rank == 0 and progress_wanted())
+            state, loaded = _read(storage, dirname, rank, threads, progress and rank == 0 and progress_wanted(), into)
             report: dict[str, Any] = {"ok": True}
         except Exception as e:  # noqa: BLE001 - reported to the other ranks first, so that none waits forever
             own, report = e, {"ok": False, "error": f"rank {rank}: {e}",
@@ -134,10 +135,10 @@ def _steps(storage: Storage) -> list[int]:
     return [e.step for e in committed(storage)]
 
 
-def _read(storage: Storage, dirname: str, rank: int, threads: int, show: bool) -> tuple[Any, Loaded]:
+def _read(storage: Storage, dirname: str, rank: int, threads: int, show: bool, into: Any) -> tuple[Any, Loaded]:
     """Open ``dirname`` and read the parts ``rank`` uses, each verified."""
     opened = open_checkpoint(storage, dirname)
     total = sum(e.nbytes for idx in opened.indexes for e in idx.entries if not e.local)
     with Bar(total, f"load step {opened.manifest.step}", show) as bar:
-        state, locals_ = read_for_rank(storage, opened, rank, threads, bar.update if show else None)
+        state, locals_ = read_for_rank(storage, opened, rank, threads, bar.update if show else None, into)
     return state, Loaded(opened, storage, locals=locals_)

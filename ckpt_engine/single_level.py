@@ -79,13 +79,14 @@ class SingleLevel:
         return [e.step for e in committed(self.storage)]
 
     def load(self, step: int | None, fallback: bool, threads: int, failures: list[str],
-             progress: bool) -> tuple[Any, Loaded]:
+             progress: bool, into: Any = None) -> tuple[Any, Loaded]:
         """The choice of :meth:`restore`, made by this process alone (no communication)."""
         return restore(self.storage, LocalComm(), step, fallback, threads, failures, rank=self.comm.rank,
-                       progress=progress)
+                       progress=progress, into=into)
 
-    def restore(self, step: int | None, fallback: bool, threads: int, failures: list[str]) -> tuple[Any, Loaded]:
-        return restore(self.storage, self.comm, step, fallback, threads, failures)
+    def restore(self, step: int | None, fallback: bool, threads: int, failures: list[str],
+                into: Any = None) -> tuple[Any, Loaded]:
+        return restore(self.storage, self.comm, step, fallback, threads, failures, into=into)
 
     def open_newest(self) -> Loaded:
         found = manifest_dirs(self.storage)

@@ -20,7 +20,7 @@ import torch
 
 from .cuda_copy import CudaCopy, Gather, Origin, capture, queue
 from .format.manifest import ALIGN, Piece, TensorEntry
-from .plan import Plan, Slice, TensorMeta, make_plan
+from .plan import Plan, Slice, TensorMeta, chunk_slice, make_plan
 from .values import Encoded, dtype_name
 
 if TYPE_CHECKING:
@@ -28,6 +28,11 @@ if TYPE_CHECKING:
 
 PAGE = 4096
 """Host buffers start at a multiple of this (the block alignment direct I/O needs)."""
+PIECE_BYTES = 4 << 20
+"""A slice longer than this is stored as several pieces, each under its own checksum, so that a
+reader needing part of it (another world size, another sharding) reads and verifies about what it
+needs instead of the whole slice. 4 MiB: a piece costs a copy call, an index row of ~100 bytes
+and a read call, nothing next to copying 4 MiB."""
 
 
 @dataclass(frozen=True)
@@ -43,28 +48,39 @@ class SaveLayout:
 
 
 def save_layout(enc: Encoded, lenc: Encoded, rank: int, world_size: int) -> SaveLayout:
-    """Pure: the layout of ``enc`` (replicated, sliced) and ``lenc`` (``local``, whole) on ``rank``
-    (the same plan on every rank, no communication); callers cache it by signature."""
-    metas = [TensorMeta(dtype_name(t.dtype), tuple(t.shape), t.element_size()) for t in enc.tensors]
-    plan = make_plan(metas, world_size)
-    pieces, nbytes = layout(plan.slices_for(rank, metas), [m.itemsize for m in metas], lenc.tensors)
-    tensors = tuple(TensorEntry(m.dtype, m.shape, o, n) for m, o, n in zip(metas, plan.owner, enc.names))
+    """Pure: the layout of ``enc`` (replicated, sliced; sharded, this rank's share of its chunks)
+    and ``lenc`` (``local``, whole) on ``rank`` (the same plan on every rank, no communication);
+    callers cache it by signature."""
+    metas = [TensorMeta(dtype_name(t.dtype), c.shape if c else tuple(t.shape), t.element_size())
+             for t, c in zip(enc.tensors, enc.shards)]
+    plan = make_plan(metas, world_size, sharded=[c is not None for c in enc.shards])
+    mine = [s for i, c in enumerate(enc.shards) if c is not None
+            for s in [chunk_slice(i, c.box, c.replica, c.replicas)] if s is not None]
+    slices = sorted(plan.slices_for(rank, metas) + mine, key=lambda s: s.tensor)
+    pieces, nbytes = layout(slices, [m.itemsize for m in metas], lenc.tensors)
+    tensors = tuple(TensorEntry(m.dtype, m.shape, o, n, c.sharding if c else None)
+                    for m, o, n, c in zip(metas, plan.owner, enc.names, enc.shards))
     local = tuple(TensorEntry(dtype_name(t.dtype), tuple(t.shape), rank, n) for t, n in zip(lenc.tensors, lenc.names))
     return SaveLayout(plan, tensors, local, pieces, nbytes)
 
 
 def layout(state_slices: Sequence[Slice], state_itemsize: Sequence[int],
            local_tensors: Sequence[torch.Tensor]) -> tuple[tuple[Piece, ...], int]:
-    """Place the rank's state slices, then its local tensors whole, at aligned offsets.
+    """Place the rank's state slices (each in pieces of at most :data:`PIECE_BYTES`), then its
+    local tensors whole, at aligned offsets.
 
     Pure: returns the pieces and the buffer size they need.
     """
     pieces: list[Piece] = []
     offset = 0
     for s in state_slices:
-        nbytes = (s.stop - s.start) * state_itemsize[s.tensor]
-        pieces.append(Piece(False, s.tensor, s.start, s.stop, offset, nbytes))
-        offset += _align(nbytes)
+        item = state_itemsize[s.tensor]
+        step = max(1, PIECE_BYTES // item)
+        for start in range(s.start, s.stop, step):
+            stop = min(s.stop, start + step)
+            nbytes = (stop - start) * item
+            pieces.append(Piece(False, s.tensor, start, stop, offset, nbytes, box=s.box))
+            offset += _align(nbytes)
     for i, t in enumerate(local_tensors):
         pieces.append(Piece(True, i, 0, t.numel(), offset, t.numel() * t.element_size()))
         offset += _align(t.numel() * t.element_size())
@@ -229,7 +245,9 @@ class Snapshots:
 
     def plan(self, enc: Encoded, lenc: Encoded) -> tuple[SaveLayout, CopyPlan]:
         """The layout of this state signature and how this state's pieces are copied."""
-        key = (tuple((t.dtype, t.shape) for t in enc.tensors), tuple((t.dtype, t.shape) for t in lenc.tensors))
+        key = (tuple((t.dtype, t.shape, c and (c.shape, c.box, c.replica, c.replicas, c.sharding))
+                     for t, c in zip(enc.tensors, enc.shards)),
+               tuple((t.dtype, t.shape) for t in lenc.tensors))
         lay = self._layouts.get(key)
         if lay is None:
             lay = self._layouts[key] = save_layout(enc, lenc, self.rank, self.world_size)

@@ -20,7 +20,9 @@ torch.dtype/Size/device ``{"$dtype": "float32"}`` / ``{"$size": [...]}`` / ``{"$
 =====================  ==============================================
 
 Tensors that are the same view of the same memory (tied weights) get one table entry, so they
-are stored once and come back as one tensor object.
+are stored once and come back as one tensor object. A ``DTensor`` (sharded state) is a table entry
+like any tensor, of its global shape; this rank's chunk of it goes in the table, and
+:attr:`Encoded.shards` says where that chunk lies (sharding/dtensors.py).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import numpy as np
 import torch
 
 from .errors import FormatError, UnsupportedValueError
+from .sharding.dtensors import LocalChunk, is_dtensor, local_chunk
 
 __all__ = ["JSON", "TORCH_DTYPES", "MAX_DEPTH", "MAX_NDIM", "Encoded", "encode", "dtype_name", "parse_dtype",
            "tensor_refusal", "decode", "check_tree"]
@@ -92,32 +95,51 @@ class Encoded:
 
     tree: JSON
     tensors: list[torch.Tensor]
+    """Plain tensors; for a ``DTensor``, this rank's chunk of it."""
     names: list[str]
+    shards: list[LocalChunk | None]
+    """For each tensor, where its chunk lies when it is a ``DTensor`` (``None``: a plain tensor)."""
+
+    @property
+    def sharded(self) -> bool:
+        return any(c is not None for c in self.shards)
 
 
-def encode(state: object, root: str = "state") -> Encoded:
+def encode(state: object, root: str = "state", *, sharded: bool = True) -> Encoded:
     """Split ``state`` into typed JSON and a tensor table.
 
     Raises :class:`UnsupportedValueError` naming the key path of the first value that cannot be
     stored without pickle (a lambda, a custom class, ...) or a tensor :func:`tensor_refusal`
-    refuses (meta, ``DTensor``, sparse, ...), before any tensor's memory is touched.
+    refuses (meta, sparse, a ``DTensor`` with a ``Partial`` placement, ...), before any tensor's
+    memory is touched. ``sharded=False`` refuses ``DTensor`` values too (per-rank state, whole).
     """
     tensors: list[torch.Tensor] = []
     names: list[str] = []
+    shards: list[LocalChunk | None] = []
     seen: dict[tuple, int] = {}
 
     def add_tensor(t: torch.Tensor, path: str) -> int:
+        chunk = None
+        if is_dtensor(t):
+            if not sharded:
+                raise UnsupportedValueError(
+                    f"{path}: cannot store a DTensor in the per-rank `{root}` state (shape {list(t.shape)}, "
+                    f"placements {tuple(t.placements)}); put sharded values in the replicated `state`, where "
+                    "each rank stores its chunk, or store t.to_local() here")
+            chunk = local_chunk(t, path)
+            t = chunk.local
         refusal = tensor_refusal(t)
         if refusal is not None:
             raise UnsupportedValueError(f"{path}: cannot store {refusal}")
         t = t.detach()
         if t.numel() > 0:
-            alias = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+            alias = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), chunk and (chunk.shape, chunk.box))
             if alias in seen:
                 return seen[alias]
             seen[alias] = len(tensors)
         tensors.append(t)
         names.append(path)
+        shards.append(chunk)
         return len(tensors) - 1
 
     def enc(v: object, path: str, depth: int = 0) -> JSON:
@@ -169,7 +191,7 @@ def encode(state: object, root: str = "state") -> Encoded:
             return {"$ndarray": {"dtype": a.dtype.name, "shape": list(a.shape), "data": data}}
         raise UnsupportedValueError(f"{path}: numpy dtype {a.dtype} cannot be stored without pickle")
 
-    return Encoded(enc(state, root), tensors, names)
+    return Encoded(enc(state, root), tensors, names, shards)
 
 
 _SPARSE = {torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc}
@@ -187,11 +209,9 @@ def tensor_refusal(t: torch.Tensor) -> str | None:
     pointer (a SIGSEGV) or store bytes that are not its values, so it must be refused before the
     copy. Pure: reads metadata only, never the data.
     """
-    dtensor = _loaded_class("torch.distributed.tensor", "DTensor")
-    if dtensor is not None and isinstance(t, dtensor):
-        return (f"a DTensor ({_facts(t)}, placements {tuple(t.placements)}): sharded DTensor state is not "
-                "supported yet; store t.full_tensor() (a collective: call it on every rank), or t.to_local() "
-                "in the per-rank `local` state")
+    if is_dtensor(t):
+        return (f"a DTensor ({_facts(t)}, placements {tuple(t.placements)}) given as a plain tensor: store it in "
+                "a state passed to encode(), which stores this rank's chunk (its to_local())")
     fake = _loaded_class("torch._subclasses.fake_tensor", "FakeTensor")
     if fake is not None and isinstance(t, fake):
         return (f"a FakeTensor ({_facts(t)}): it has no data (it comes from FakeTensorMode, e.g. torch.compile "

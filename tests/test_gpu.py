@@ -23,7 +23,8 @@ import torch
 
 import ckpt_engine.snapshot as snapshot_module
 from ckpt_engine import Checkpointer
-from ckpt_engine.cuda_copy import Gather, capture, index_boxes
+from ckpt_engine.cuda_copy import Gather, capture
+from ckpt_engine.sharding.boxes import index_boxes
 from ckpt_engine.snapshot import HostBuffer, Piece, copy_into, layout, plan_copy
 from helpers import assert_same
 

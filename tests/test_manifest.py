@@ -99,7 +99,7 @@ def test_hostile_manifests_are_rejected(mutate, message):
     (lambda b: b["entries"][0].__setitem__(2, -1), "malformed"),
     (lambda b: b["entries"][0].__setitem__(6, "not-a-hash"), "malformed"),
     (lambda b: b["entries"][0].__setitem__(3, 2), "outside|malformed"),
-    (lambda b: b.update(format_version=2), "format_version 2"),
+    (lambda b: b.update(format_version=3), "format_version 3"),
 ])
 def test_hostile_index_files_are_rejected(mutate, message):
     body = json.loads(make_index().to_json())

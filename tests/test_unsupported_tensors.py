@@ -2,7 +2,9 @@
 
 The snapshot copies straight from ``data_ptr()``: a meta tensor, a FakeTensor or a ``DTensor`` used
 to reach that copy with a null or foreign pointer and kill the process (SIGSEGV). The crash tests
-therefore run the save in a child process and look at how it ended.
+therefore run the save in a child process and look at how it ended. A ``DTensor`` is now stored
+(its chunk: tests/test_sharded*.py); one with a ``Partial`` placement, or one in the per-rank
+``local`` state, is refused by key.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ _CHILD = textwrap.dedent("""
     try:
         ck.save({"model": {"w": t}}, 1)
         ck.wait()
-        print("SAVED")
+        back = ck.load()["model"]["w"]
+        print("SAVED", type(back).__name__, back.tolist())
     except UnsupportedValueError as e:
         print("REFUSED", e)
     ck.close()
@@ -59,7 +62,11 @@ def test_saving_a_tensor_without_storage_does_not_kill_the_process(kind, tmp_pat
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode >= 0, f"child died of signal {-proc.returncode}: {proc.stderr[-2000:]}"
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.startswith("REFUSED") and KEY in proc.stdout, proc.stdout
+    if kind == "meta":
+        assert proc.stdout.startswith("REFUSED") and KEY in proc.stdout, proc.stdout
+    else:  # a DTensor is stored as its chunk and comes back whole, as a plain tensor
+        assert proc.stdout.split() == ["SAVED", "Tensor", "[0.0,", "1.0,", "2.0,", "3.0,", "4.0,", "5.0,", "6.0,",
+                                       "7.0]"], proc.stdout
 
 
 # ---- every kind is refused by key, saying what it is and what to do ----------------------------
@@ -148,17 +155,31 @@ def gloo_group(tmp_path):
 
 
 @pytest.mark.parametrize("placement", ["shard", "replicate", "parameter"])
-def test_dtensor_is_refused_with_a_hint(gloo_group, placement):
+def test_dtensor_is_encoded_as_its_chunk(gloo_group, placement):
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     t = distribute_tensor(torch.arange(8.0), gloo_group, [Replicate() if placement == "replicate" else Shard(0)])
     if placement == "parameter":
         t = torch.nn.Parameter(t)  # what FSDP2 puts in a module
-    with pytest.raises(UnsupportedValueError) as err:
-        encode({"model": {"w": t}})
-    msg = str(err.value)
-    assert msg.startswith(f"{KEY}: cannot store a DTensor")
-    assert "not supported yet" in msg and "full_tensor()" in msg and "placements" in msg
+    enc = encode({"model": {"w": t}})
+    chunk = enc.shards[0]
+    assert chunk is not None and chunk.box == ((0, 8),) and chunk.shape == (8,)
+    assert (chunk.replica, chunk.replicas) == (0, 1) and chunk.sharding.mesh == (1,)
+    assert enc.tensors[0].data_ptr() == t.to_local().data_ptr()  # the chunk itself, no copy
+
+
+def test_partial_dtensor_and_dtensor_in_local_are_refused_by_key(gloo_group):
+    from torch.distributed.tensor import Partial, Shard, distribute_tensor
+
+    from torch.distributed.tensor import DTensor
+
+    partial = DTensor.from_local(torch.arange(8.0), gloo_group, [Partial()])  # e.g. a gradient before its reduce
+    with pytest.raises(UnsupportedValueError, match=r"state\['model'\]\['w'\]: cannot store a DTensor with a "
+                                                    r"Partial placement .*redistribute"):
+        encode({"model": {"w": partial}})
+    sharded = distribute_tensor(torch.arange(8.0), gloo_group, [Shard(0)])
+    with pytest.raises(UnsupportedValueError, match=r"local\['w'\]: cannot store a DTensor in the per-rank"):
+        encode({"w": sharded}, "local", sharded=False)
 
 
 def test_refusal_happens_before_anything_is_written(tmp_path):

@@ -6,8 +6,9 @@ leave the checkpoint directory, negative or overlong ranges and sizes that disag
 dtype are rejected with a :class:`FormatError` naming the file and the field.
 
 * ``rank-NNNNN.index.json`` (per rank, small): the rank's slices of the replicated state
-  (tensor, element range, byte offset in ``rank-NNNNN.bin``, xxh3-64 checksum) and its own
-  ``local`` state whole. Per-slice checksums live here so the manifest stays bounded.
+  (tensor, element range, byte offset in ``rank-NNNNN.bin``, xxh3-64 checksum; for a sharded
+  tensor also the chunk the range is of) and its own ``local`` state whole. Per-slice checksums
+  live here so the manifest stays bounded.
 * ``manifest.json`` (written last, its presence is the commit): step, world size, tensor
   metadata and placement rule, the state's typed-JSON tree, and per rank the data/index file
   names, sizes and the index file's checksum.
@@ -18,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 import xxhash
@@ -26,9 +27,16 @@ import xxhash
 from ..errors import CorruptionError, FormatError, UnsupportedValueError
 from .guard import MAX_METADATA_BYTES
 from .strict_json import parse_json
+from ..sharding.boxes import Box, numel, tiling_error, within
+from ..sharding.dtensors import Sharding
 from ..values import MAX_DEPTH, MAX_NDIM, TORCH_DTYPES, check_tree
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Written when a checkpoint holds sharded tensors (chunk boxes, sharding records); one without is
+written as version 1, which readers of earlier releases read."""
+READ_VERSIONS = (1, 2)
+SHARDED = -2
+"""Owner of a sharded tensor in the table (plan.SHARDED)."""
 ALIGN = 64
 """Pieces start at multiples of this; a piece's checksum covers its bytes and its zero padding."""
 MANIFEST_NAME = "manifest.json"
@@ -51,6 +59,7 @@ MAX_CREATED_AT = 253402300799.0
 _RANK_FILE = re.compile(r"rank-(\d{5})\.(bin|index\.json)")
 _HASH = re.compile(r"[0-9a-f]{16}")
 _ITEMSIZE = {name: dt.itemsize for name, dt in TORCH_DTYPES.items()}
+_PLACEMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\([A-Za-z0-9_=, .-]*\))?")
 
 
 def data_file(rank: int) -> str:
@@ -65,12 +74,14 @@ def index_file(rank: int) -> str:
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """A tensor of the table: dtype name, shape, owner (a rank, or -1 when split), key path."""
+    """A tensor of the table: dtype name, (global) shape, owner (a rank, -1 when split, -2 when
+    sharded), key path, and for a sharded tensor how it was laid out."""
 
     dtype: str
     shape: tuple[int, ...]
     owner: int
     name: str = ""
+    sharding: Sharding | None = None
 
     @property
     def nbytes(self) -> int:
@@ -80,7 +91,8 @@ class TensorEntry:
 @dataclass(frozen=True)
 class Piece:
     """Elements ``[start, stop)`` of tensor ``tensor`` (of the rank's ``local`` tensors when ``local``)
-    at ``offset`` in the rank's data file (and its snapshot buffer), ``nbytes`` long."""
+    at ``offset`` in the rank's data file (and its snapshot buffer), ``nbytes`` long. For a sharded
+    tensor the range is of the row-major order of the chunk ``box``, else of the whole tensor."""
 
     local: bool
     tensor: int
@@ -88,6 +100,7 @@ class Piece:
     stop: int
     offset: int
     nbytes: int
+    box: Box | None = field(default=None, kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -113,10 +126,11 @@ class RankIndex:
 
     def to_json(self) -> bytes:
         body = {
-            "format_version": FORMAT_VERSION, "step": self.step, "rank": self.rank,
-            "world_size": self.world_size, "attempt": self.attempt, "data_file": data_file(self.rank),
-            "data_bytes": self.data_bytes,
-            "entries": [[int(e.local), e.tensor, e.start, e.stop, e.offset, e.nbytes, e.xxh3] for e in self.entries],
+            "format_version": _version(any(e.box is not None for e in self.entries)), "step": self.step,
+            "rank": self.rank, "world_size": self.world_size, "attempt": self.attempt,
+            "data_file": data_file(self.rank), "data_bytes": self.data_bytes,
+            "entries": [[int(e.local), e.tensor, e.start, e.stop, e.offset, e.nbytes, e.xxh3]
+                        + ([[list(r) for r in e.box]] if e.box is not None else []) for e in self.entries],
             "local_tensors": [_tensor_json(t) for t in self.local_tensors],
             "local": self.local, "stats": self.stats,
         }
@@ -173,7 +187,8 @@ class Manifest:
 
     def to_json(self) -> bytes:
         body = {
-            "format_version": FORMAT_VERSION, "step": self.step, "world_size": self.world_size,
+            "format_version": _version(any(t.sharding is not None for t in self.tensors)), "step": self.step,
+            "world_size": self.world_size,
             "created_at": self.created_at, "split_threshold": self.split_threshold,
             "tensors": [_tensor_json(t) for t in self.tensors], "state": self.state,
             "ranks": [asdict(r) | {"data_file": data_file(r.rank), "index_file": index_file(r.rank)}
@@ -193,6 +208,9 @@ class Manifest:
         for i, t in enumerate(tensors):
             if t.owner >= world:
                 raise FormatError(f"{where}: tensors[{i}] owner {t.owner} is not a rank of {world}")
+            if (t.owner == SHARDED) != (t.sharding is not None):
+                raise FormatError(f"{where}: tensors[{i}] has owner {t.owner} "
+                                  f"{'with' if t.sharding else 'without'} a sharding record")
         ranks = tuple(v.rank_record(r, i) for i, r in enumerate(v.list(d, "ranks")))
         if len(ranks) != world:
             raise FormatError(f"{where}: {len(ranks)} rank records for world_size {world}")
@@ -254,8 +272,17 @@ def _check_tiling(entries: Sequence[IndexEntry], data_bytes: int, where: str) ->
         raise FormatError(f"{where}: entries cover {position} bytes of a {data_bytes}-byte data file")
 
 
+def _version(sharded: bool) -> int:
+    """The format version a file is written as: 2 only when it uses what version 1 lacks."""
+    return FORMAT_VERSION if sharded else 1
+
+
 def _tensor_json(t: TensorEntry) -> list:
-    return [t.dtype, list(t.shape), t.owner, t.name]
+    out: list = [t.dtype, list(t.shape), t.owner, t.name]
+    if t.sharding is not None:
+        out.append({"mesh": list(t.sharding.mesh), "placements": list(t.sharding.placements),
+                    "mesh_dims": list(t.sharding.mesh_dims)})
+    return out
 
 
 def _capped(raw: bytes, limit: int, what: str) -> bytes:
@@ -271,10 +298,10 @@ def _load(raw: bytes, where: str) -> dict:
     if not isinstance(d, dict):
         raise FormatError(f"{where}: top level is not an object")
     version = d.get("format_version")
-    if version != FORMAT_VERSION:
+    if type(version) is not int or version not in READ_VERSIONS:
         raise FormatError(
-            f"{where}: unknown format_version {version!r} (this ckpt_engine reads {FORMAT_VERSION}); "
-            "upgrade ckpt-suite to read it"
+            f"{where}: unknown format_version {_short(version)} (this ckpt_engine reads "
+            f"{', '.join(map(str, READ_VERSIONS))}); upgrade ckpt-suite to read it"
         )
     return d
 
@@ -311,26 +338,48 @@ class _Validator:
         return x
 
     def tensor(self, t: object, name: str) -> TensorEntry:
-        ok = isinstance(t, list) and len(t) == 4 and isinstance(t[1], list) and isinstance(t[3], str)
-        ok = ok and len(t[1]) <= MAX_NDIM and type(t[2]) is int and -1 <= t[2] <= MAX_INT
+        ok = isinstance(t, list) and len(t) in (4, 5) and isinstance(t[1], list) and isinstance(t[3], str)
+        ok = ok and len(t[1]) <= MAX_NDIM and type(t[2]) is int and SHARDED <= t[2] <= MAX_INT
         ok = ok and all(type(s) is int and 0 <= s <= MAX_TENSOR_BYTES for s in t[1])
         if not ok:
-            raise self.fail(f"{name} is malformed (shape of at most {MAX_NDIM} sizes >= 0, owner >= -1): "
+            raise self.fail(f"{name} is malformed (shape of at most {MAX_NDIM} sizes >= 0, owner >= -2): "
                             f"{_short(t)}")
         if not isinstance(t[0], str) or t[0] not in TORCH_DTYPES:
             raise self.fail(f"{name} has unknown tensor dtype {str(t[0])[:40]!r} (known: {', '.join(TORCH_DTYPES)})")
-        entry = TensorEntry(t[0], tuple(t[1]), t[2], t[3])
+        entry = TensorEntry(t[0], tuple(t[1]), t[2], t[3], self.sharding(t[4], name) if len(t) == 5 else None)
         span = math.prod(max(s, 1) for s in entry.shape) * _ITEMSIZE[entry.dtype]  # what strides address
         if span > MAX_TENSOR_BYTES:
             raise self.fail(f"{name} claims {span} bytes, more than the {MAX_TENSOR_BYTES} limit")
         return entry
 
+    def sharding(self, s: object, name: str) -> Sharding:
+        ok = isinstance(s, dict) and set(s) == {"mesh", "placements", "mesh_dims"}
+        ok = ok and all(isinstance(s[k], list) and len(s[k]) <= MAX_NDIM for k in ("mesh", "placements", "mesh_dims"))
+        ok = ok and all(type(n) is int and 1 <= n <= MAX_INT for n in s["mesh"]) and len(s["placements"]) == len(s["mesh"])
+        ok = ok and all(isinstance(p, str) and len(p) <= 80 and _PLACEMENT.fullmatch(p) for p in s["placements"])
+        ok = ok and all(isinstance(n, str) and len(n) <= 80 for n in s["mesh_dims"])
+        if not ok:
+            raise self.fail(f"{name}: malformed sharding record (mesh sizes, one placement each, mesh_dims): "
+                            f"{str(s)[:120]}")
+        return Sharding(tuple(s["mesh"]), tuple(s["placements"]), tuple(s["mesh_dims"]))
+
+    def box(self, b: object, i: int) -> Box:
+        ok = isinstance(b, list) and len(b) <= MAX_NDIM and all(
+            isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r) and 0 <= r[0] <= r[1] <= MAX_INT
+            for r in b)
+        if not ok:
+            raise self.fail(f"entries[{i}] has a malformed chunk (one [start, stop) per dimension): {_short(b)}")
+        return tuple((r[0], r[1]) for r in b)
+
     def entry(self, e: object, i: int, data_bytes: int) -> IndexEntry:
-        ok = isinstance(e, list) and len(e) == 7 and all(type(x) is int and 0 <= x <= MAX_INT for x in e[:6])
+        ok = isinstance(e, list) and len(e) in (7, 8) and all(type(x) is int and 0 <= x <= MAX_INT for x in e[:6])
         ok = ok and e[0] in (0, 1) and isinstance(e[6], str) and _HASH.fullmatch(e[6]) is not None
         if not ok:
             raise self.fail(f"entries[{i}] is malformed: {_short(e)}")
-        entry = IndexEntry(bool(e[0]), *e[1:])
+        box = self.box(e[7], i) if len(e) == 8 else None
+        if box is not None and e[0]:
+            raise self.fail(f"entries[{i}]: a local tensor's entry has a chunk")
+        entry = IndexEntry(bool(e[0]), *e[1:7], box=box)
         if entry.stop < entry.start or entry.offset + entry.nbytes > data_bytes:
             raise self.fail(f"entries[{i}] range {entry.start}:{entry.stop} at offset {entry.offset} "
                             f"(+{entry.nbytes}) is outside the {data_bytes}-byte data file")
@@ -381,9 +430,11 @@ def _check_locals(entries: Sequence[IndexEntry], local_tensors: Sequence[TensorE
 def check_coverage(manifest: Manifest, indexes: Sequence[RankIndex], where: Callable[[int], str]) -> None:
     """Every element of every tensor is stored exactly once, with the byte count its dtype implies.
 
-    Raises :class:`FormatError` naming the tensor otherwise (a tampered or mismatched index).
+    A replicated tensor's ranges tile its elements; a sharded tensor's chunks tile its shape, and
+    each chunk's ranges tile the chunk's elements. Raises :class:`FormatError` naming the tensor
+    otherwise (a tampered or mismatched index).
     """
-    ranges: list[list[tuple[int, int]]] = [[] for _ in manifest.tensors]
+    ranges: list[dict[Box | None, list[tuple[int, int]]]] = [{} for _ in manifest.tensors]
     for idx in indexes:
         for e in idx.entries:
             if e.local:
@@ -395,15 +446,27 @@ def check_coverage(manifest: Manifest, indexes: Sequence[RankIndex], where: Call
             if e.nbytes != (e.stop - e.start) * _ITEMSIZE[t.dtype]:
                 raise FormatError(f"{where(idx.rank)}: range {e.start}:{e.stop} of tensor {e.tensor} "
                                   f"has {e.nbytes} bytes, its dtype {t.dtype} implies otherwise")
-            ranges[e.tensor].append((e.start, e.stop))
+            if (e.box is not None) != (t.owner == SHARDED) or (e.box is not None and not within(e.box, t.shape)):
+                raise FormatError(f"{where(idx.rank)}: range {e.start}:{e.stop} of tensor {e.tensor} "
+                                  f"({t.dtype}{list(t.shape)}) names chunk {e.box}, which "
+                                  f"{'is not in the tensor' if e.box is not None else 'a sharded tensor needs'}")
+            ranges[e.tensor].setdefault(e.box, []).append((e.start, e.stop))
     for i, t in enumerate(manifest.tensors):
-        end = 0
-        for start, stop in sorted(ranges[i]):
-            if start != end:
-                break
-            end = stop
-        else:
-            if end == math.prod(t.shape):
-                continue
-        raise FormatError(f"tensor {i} ({t.dtype}{list(t.shape)}): the index files do not cover its "
-                          f"elements exactly once (ranges {sorted(ranges[i])[:4]}...)")
+        chunks = ranges[i] if t.owner == SHARDED else {None: ranges[i].get(None, [])}
+        problem = tiling_error((b for b in chunks if b is not None), t.shape) if t.owner == SHARDED else None
+        for box, found in chunks.items():
+            if problem is None and not _tiles(found, math.prod(t.shape) if box is None else numel(box)):
+                problem = (f"the index files do not cover the elements{'' if box is None else f' of chunk {list(box)}'} "
+                           f"exactly once (ranges {sorted(found)[:4]}...)")
+        if problem is not None:
+            raise FormatError(f"tensor {i} ({t.dtype}{list(t.shape)}): {problem}")
+
+
+def _tiles(found: Sequence[tuple[int, int]], count: int) -> bool:
+    """Whether the element ranges ``found`` cover ``[0, count)`` exactly once."""
+    end = 0
+    for start, stop in sorted(found):
+        if start != end:
+            return False
+        end = stop
+    return end == count

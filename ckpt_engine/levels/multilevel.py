@@ -187,13 +187,14 @@ class MultiLevel:
         return sorted(found)
 
     def load(self, step: int | None, fallback: bool, threads: int, failures: list[str],
-             progress: bool) -> tuple[Any, Loaded]:
+             progress: bool, into: Any = None) -> tuple[Any, Loaded]:
         """A collective with several ranks (levels/restore.py); ``progress`` is not drawn here."""
-        return load_levels(self, self.comm, step, fallback, threads, failures)
+        return load_levels(self, self.comm, step, fallback, threads, failures, into)
 
-    def restore(self, step: int | None, fallback: bool, threads: int, failures: list[str]) -> tuple[Any, Loaded]:
+    def restore(self, step: int | None, fallback: bool, threads: int, failures: list[str],
+                into: Any = None) -> tuple[Any, Loaded]:
         """:meth:`load`: it verifies every rank's parts already."""
-        return load_levels(self, self.comm, step, fallback, threads, failures)
+        return load_levels(self, self.comm, step, fallback, threads, failures, into)
 
     def open_newest(self) -> Loaded:
         """The newest checkpoint of the shared levels (the fastest on a tie); no communication."""

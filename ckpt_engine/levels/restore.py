@@ -30,8 +30,9 @@ from ..errors import CheckpointError, CorruptionError, FormatError, NoCheckpoint
 from .transfer import StreamCheck
 from ..format.catalog import manifest_dirs
 from .open import RANK_COMMIT, Level, RankCommit, complete_everywhere, local_catalog
-from ..format.manifest import RankIndex, RankRecord, check_coverage, data_file, index_file
-from ..restore import Opened, open_checkpoint
+from ..format.manifest import IndexEntry, RankIndex, RankRecord, check_coverage, data_file, index_file
+from ..restore import Opened, Places, Target, open_checkpoint, whole_targets
+from ..restore_into import fill
 from ..restore_agreed import Loaded, read_for_rank
 from ..values import decode, parse_dtype
 
@@ -69,9 +70,9 @@ def candidates(shared: Mapping[int, Sequence[Sequence[Any]]], local: Sequence[Se
 
 
 def load_levels(ml: MultiLevel, comm: Comm, step: int | None, fallback: bool, threads: int,
-                failures: list[str]) -> tuple[Any, Loaded]:
+                failures: list[str], into: Any = None) -> tuple[Any, Loaded]:
     """Every rank: ``(state, loaded)`` of the newest checkpoint (or ``step``) that verifies on all
-    ranks; see the module docstring.
+    ranks (``into`` filled in place from it, when given: restore_into.py); see the module docstring.
 
     Appends what failed to ``failures``. Raises :class:`NoCheckpointError` when no level has one.
     """
@@ -86,8 +87,8 @@ def load_levels(ml: MultiLevel, comm: Comm, step: int | None, fallback: bool, th
             break
         level = ml.levels[c.level]
         try:
-            attempt = _read_local_copy(level, c, comm.rank) if c.node_local else _read_shared(level, c, threads,
-                                                                                               comm.rank)
+            attempt = (_read_local_copy(level, c, comm.rank) if c.node_local
+                       else _read_shared(level, c, threads, comm.rank, into))
             report = attempt.report
         except Exception as e:  # noqa: BLE001 - reported to the other ranks first, so that none waits forever
             own_error, attempt, report = own_error or e, None, {"ok": False, "error": f"rank {comm.rank}: {e}"}
@@ -95,7 +96,8 @@ def load_levels(ml: MultiLevel, comm: Comm, step: int | None, fallback: bool, th
         bad = [r["error"] for r in reports if not r["ok"]]
         if not bad:
             try:
-                return attempt.finish(comm, reports) if c.node_local else attempt.result  # type: ignore[union-attr]
+                return (attempt.finish(comm, reports, into) if c.node_local  # type: ignore[union-attr]
+                        else attempt.result)  # type: ignore[union-attr]
             except CheckpointError as e:  # the same on every rank: it depends on the gathered reports only
                 own_error, bad = own_error or e, [str(e)]
         failures.extend(f"{level.name} {c.dirname}: {b}" for b in bad)
@@ -122,10 +124,10 @@ class _Shared:
     report: dict
 
 
-def _read_shared(level: Level, c: Candidate, threads: int, rank: int) -> _Shared:
+def _read_shared(level: Level, c: Candidate, threads: int, rank: int, into: Any) -> _Shared:
     """The state and the ``local`` sections this rank will use (its writer's, writer 0's), verified."""
     opened = open_checkpoint(level.storage, c.dirname)
-    state, verified = read_for_rank(level.storage, opened, rank, threads)
+    state, verified = read_for_rank(level.storage, opened, rank, threads, into=into)
     return _Shared((state, Loaded(opened, level.storage, level.index, verified)), {"ok": True})
 
 
@@ -140,8 +142,9 @@ class _LocalCopy:
     data: np.ndarray
     report: dict
 
-    def finish(self, comm: Comm, reports: Sequence[dict]) -> tuple[Any, Loaded]:
-        """Build the manifest from every rank's report, then exchange the bytes and decode."""
+    def finish(self, comm: Comm, reports: Sequence[dict], into: Any = None) -> tuple[Any, Loaded]:
+        """Build the manifest from every rank's report, then exchange the bytes and decode (or fill
+        ``into``: restore_into.py)."""
         where = self.level.storage.describe(self.dirname)
         rc = RankCommit.from_json(base64.b64decode(reports[0]["commit"]), f"{where} (rank 0's {RANK_COMMIT})")
         records = [RankRecord(r, *rep["record"]) for r, rep in enumerate(reports)]
@@ -153,17 +156,29 @@ class _LocalCopy:
             if (idx.step, idx.rank, idx.world_size, idx.attempt) != expected:
                 raise FormatError(f"{where}: {index_file(r)} of rank {r} belongs to another checkpoint")
         check_coverage(manifest, indexes, lambda r: f"{where} ({index_file(r)})")
-        tensors = [torch.empty(t.shape, dtype=parse_dtype(t.dtype)) for t in manifest.tensors]
         keep = sorted({self.rank, 0})
         local_tensors = {r: [torch.empty(t.shape, dtype=parse_dtype(t.dtype)) for t in indexes[r].local_tensors]
                          for r in keep}
-        targets = [_targets(idx, tensors, local_tensors.get(idx.rank)) for idx in indexes]
-        rounds = -(-max(idx.data_bytes for idx in indexes) // EXCHANGE)
-        for k in range(rounds):
-            lo = k * EXCHANGE
-            for r, part in enumerate(_gather_bytes(comm, self.data[lo:lo + EXCHANGE])):
-                _place(targets[r], lo, part)
-        state = decode(manifest.state, tensors.__getitem__, count=len(tensors), where=where)
+
+        def read(wanted: Sequence[Target]) -> None:
+            places = Places(manifest.tensors, wanted)
+            targets = [_targets(idx, places, local_tensors.get(idx.rank)) for idx in indexes]
+            rounds = -(-max(idx.data_bytes for idx in indexes) // EXCHANGE)
+            for k in range(rounds):  # every rank takes part in every round, whatever it keeps
+                lo = k * EXCHANGE
+                for r, part in enumerate(_gather_bytes(comm, self.data[lo:lo + EXCHANGE])):
+                    _place(targets[r], lo, part)
+            for idx_targets in targets:
+                for _, _, _, entry, temp in idx_targets:
+                    if temp is not None:
+                        places.scatter(entry, temp)
+
+        if into is not None:
+            state = fill(into, manifest, where, read)
+        else:
+            whole = whole_targets(manifest.tensors)
+            read(whole)
+            state = decode(manifest.state, lambda i: whole[i].out, count=len(whole), where=where)
         locals_ = {r: decode(indexes[r].local, local_tensors[r].__getitem__, count=len(local_tensors[r]),
                              where=f"{where} ({index_file(r)})") for r in keep}
         opened = Opened(self.dirname, manifest, indexes)
@@ -197,26 +212,35 @@ def _read_local_copy(level: Level, c: Candidate, rank: int) -> _LocalCopy:
     return _LocalCopy(level, dirname, rank, data, report)
 
 
-_Target = tuple[int, int, np.ndarray]
-"""Where one entry's bytes go: (offset in the sender's data file, byte count, destination bytes)."""
+_Target = tuple[int, int, Any, IndexEntry, "torch.Tensor | None"]
+"""Where one entry's bytes go: (offset in the sender's data file, byte count, destination bytes,
+the entry, the temporary to scatter from afterwards or ``None`` when read in place)."""
 
 
-def _targets(idx: RankIndex, tensors: Sequence[torch.Tensor], local: Sequence[torch.Tensor] | None) -> list[_Target]:
-    """The sender's entries this rank keeps (all replicated ones; its locals if kept), by offset."""
-    out = []
+def _targets(idx: RankIndex, places: Places, local: Sequence[torch.Tensor] | None) -> list[_Target]:
+    """The sender's entries this rank keeps (those meeting ``places``; its locals if kept), by offset."""
+    out: list[_Target] = []
     for e in sorted(idx.entries, key=lambda e: e.offset):
-        if e.local and local is None:
-            continue
-        t = (local if e.local else tensors)[e.tensor]  # type: ignore[index]
-        dest = t.reshape(-1).view(torch.uint8).numpy()[e.start * t.element_size():e.stop * t.element_size()]
-        out.append((e.offset, e.nbytes, dest))
+        if e.local:
+            if local is None:
+                continue
+            t = local[e.tensor]
+            dest = t.reshape(-1).view(torch.uint8).numpy()[e.start * t.element_size():e.stop * t.element_size()]
+            out.append((e.offset, e.nbytes, dest, e, None))
+        elif places.needed(e):
+            view = places.in_place(e)
+            temp = None
+            if view is None:
+                temp = torch.empty(e.stop - e.start, dtype=parse_dtype(places.table[e.tensor].dtype))
+                view = memoryview(temp.view(torch.uint8).numpy())
+            out.append((e.offset, e.nbytes, np.frombuffer(view, dtype=np.uint8), e, temp))
     return out
 
 
 def _place(targets: Sequence[_Target], lo: int, part: np.ndarray) -> None:
     """Copy the part of bytes ``[lo, lo + len(part))`` of a sender's file into the entries it overlaps."""
     hi = lo + len(part)
-    for offset, nbytes, dest in targets:
+    for offset, nbytes, dest, _, _ in targets:
         start, stop = max(offset, lo), min(offset + nbytes, hi)
         if start < stop:
             dest[start - offset:stop - offset] = part[start - lo:stop - lo]
