@@ -27,14 +27,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_ranks(world: int, args: list[str], env_extra: dict | None = None) -> list[subprocess.Popen]:
-    """Start ``world`` ranks of dist_worker.py with ``args``, each in its own session (killable as a group)."""
+def start_ranks(world: int, args: list[str], env_extra: dict | None = None,
+                worker: str = WORKER) -> list[subprocess.Popen]:
+    """Start ``world`` ranks of ``worker`` (dist_worker.py) with ``args``, each in its own session
+    (killable as a group)."""
     port = free_port()
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), **(env_extra or {}))
-        procs.append(subprocess.Popen([sys.executable, WORKER, *args], env=env, stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen([sys.executable, worker, *args], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, start_new_session=True))
     return procs
 

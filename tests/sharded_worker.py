@@ -9,13 +9,17 @@ MASTER_PORT in the environment (``LAYOUT single`` runs alone, without torch.dist
 * ``ddp``: ``DistributedDataParallel``, every tensor replicated;
 * ``single``: one process, a plain module.
 
+With ``SHARDED_LEVELS=1`` in the environment the checkpoints go to a node-local level 1
+(``ROOT/node{rank}``) flushed to a shared level 2 (``ROOT/shared``).
+
 Modes:
 
 * ``save``: train STEPS steps with AdamW, save the sharded state (``get_state_dict``) at STEPS, then
   (rank 0) write the full state at STEPS and after two more steps to OUT (``torch.save``);
 * ``load``: a fresh model of LAYOUT on this world size, ``restore(into=...)`` + ``set_state_dict``,
   then write its full state at once and after two more steps (rank 0) to OUT;
-* ``loop``: save the sharded state every step until killed, printing ``saved N`` lines.
+* ``loop``: resume from the newest checkpoint if there is one (``resumed N``), then save the sharded
+  state every step until killed, printing ``saved N`` lines.
 """
 
 from __future__ import annotations
@@ -145,7 +149,10 @@ def main() -> None:
     steps = int(sys.argv[5]) if len(sys.argv) > 5 else 3
     rank = int(os.environ.get("RANK", "0"))
     model, opt, comm = build(layout, seed=0 if mode != "load" else 99)
-    ck = Checkpointer(root, comm=comm)
+    if os.environ.get("SHARDED_LEVELS"):  # a node-local level 1 (one directory per rank), a shared level 2
+        ck = Checkpointer(levels=[os.path.join(root, f"node{rank}"), os.path.join(root, "shared")], comm=comm)
+    else:
+        ck = Checkpointer(root, comm=comm)
     if mode == "save":
         train(model, opt, range(1, steps + 1))
         ck.save(sharded_state(model, opt, layout), steps)
@@ -170,10 +177,18 @@ def main() -> None:
         train(model, opt, range(restored.step + 1, restored.step + 3))
         after = full_state(model, opt, layout)
         if rank == 0:
+            with open(os.path.join(out, "level.txt"), "w") as f:
+                f.write(str(restored.level))
             torch.save(full, os.path.join(out, "loaded.pt"))
             torch.save(after, os.path.join(out, "loaded_after.pt"))
     elif mode == "loop":
         step = 0
+        if ck.latest_step() is not None:  # a restart: resume from the newest committed checkpoint
+            train(model, opt, range(0, 1))  # the optimizer's state exists before it is loaded into
+            state = sharded_state(model, opt, layout)
+            step = ck.restore(into=state).step
+            load_into(model, opt, layout, state)
+            print(f"resumed {step}", flush=True)
         while True:
             step += 1
             train(model, opt, range(step, step + 1))

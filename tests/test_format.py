@@ -1,6 +1,7 @@
 """docs/FORMAT.md is enough to read a checkpoint: a reader written from that page alone (JSON,
 xxhash and NumPy; nothing imported from ckpt_engine) gets back what ``Checkpointer.load()`` does,
-on a checkpoint written by 2 real ranks with split tensors, tied tensors and per-rank values."""
+on a checkpoint written by 2 real ranks with split tensors, tied tensors and per-rank values, and
+on one written by 2 FSDP2 ranks (sharded tensors with chunks, format version 2)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def newest(root: str) -> tuple[str, dict]:
         m = DIR.fullmatch(name)
         if m and os.path.exists(f"{root}/{name}/manifest.json"):
             manifest = unseal(open(f"{root}/{name}/manifest.json", "rb").read())
-            assert manifest["format_version"] == 1 and manifest["step"] == int(m.group(1))
+            assert manifest["format_version"] in (1, 2) and manifest["step"] == int(m.group(1))
             old = found.get(manifest["step"])
             if old is None or manifest["created_at"] > old[1]["created_at"]:
                 found[manifest["step"]] = (name, manifest)
@@ -63,15 +64,23 @@ def read_tensors(directory: str, index_list: list[dict], tables: list[list], loc
         entries = sorted(index["entries"], key=lambda e: e[4])
         ends = [e[4] for e in entries[1:]] + [len(data)]
         for e, end in zip(entries, ends):
-            is_local, i, start, stop, offset, nbytes, digest = e
+            is_local, i, start, stop, offset, nbytes, digest = e[:7]
             extent = data[offset:end]
             assert xxhash.xxh3_64_hexdigest(extent) == digest and offset % 64 == 0
             if is_local != local:
                 continue
-            dtype, shape, _, _ = tables[r if local else 0][i]
+            dtype, shape = tables[r if local else 0][i][:2]
             size = ITEMSIZE[dtype]
             buf = bufs.setdefault((r if local else 0, i), bytearray(int(np.prod(shape, dtype=np.int64)) * size))
-            buf[start * size:stop * size] = extent[:nbytes]
+            if len(e) == 7:
+                buf[start * size:stop * size] = extent[:nbytes]
+                continue
+            chunk = e[7]  # elements start:stop of the chunk, row-major: each to its index in the whole tensor
+            sizes = [b - a for a, b in chunk]
+            for k in range(stop - start):
+                at = [a + x for (a, _), x in zip(chunk, np.unravel_index(start + k, sizes))] if sizes else []
+                flat = int(np.ravel_multi_index(at, shape)) if shape else 0
+                buf[flat * size:(flat + 1) * size] = extent[k * size:(k + 1) * size]
     return bufs
 
 
@@ -128,3 +137,25 @@ def test_a_reader_written_from_the_format_page_matches_load(tmp_path):
         for r, index in enumerate(indexes):
             local = decode(index["local"], lambda i: (tables[r][i][0], tables[r][i][1], bytes(locals_[(r, i)])))
             assert local == as_bytes(ck.load_local(rank=r))
+
+
+def test_the_reader_places_the_chunks_of_a_sharded_checkpoint(tmp_path):
+    from ckpt_engine import Checkpointer
+    from ranks import start_ranks
+
+    root = str(tmp_path / "ck")
+    worker = os.path.join(os.path.dirname(__file__), "sharded_worker.py")
+    (tmp_path / "out").mkdir()
+    for p in start_ranks(2, ["save", "fsdp", root, str(tmp_path / "out"), "2"], {"OMP_NUM_THREADS": "1"},
+                         worker=worker):
+        output, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, output[-3000:]
+    name, manifest = newest(root)
+    assert manifest["format_version"] == 2 and any(t[2] == -2 for t in manifest["tensors"])
+    indexes = read_indexes(f"{root}/{name}", manifest)
+    assert all(index["format_version"] == 2 for index in indexes)
+    assert any(len(e) == 8 for index in indexes for e in index["entries"])
+    shared = read_tensors(f"{root}/{name}", indexes, [manifest["tensors"]], 0)
+    state = decode(manifest["state"], lambda i: (manifest["tensors"][i][0], manifest["tensors"][i][1],
+                                                 bytes(shared[(0, i)])))
+    assert state == as_bytes(Checkpointer(root, readonly=True).load())

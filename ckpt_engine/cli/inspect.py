@@ -1,7 +1,8 @@
 """``ckpt inspect``: what one checkpoint holds, from its manifest and index files alone.
 
-No data file is read: tensor dtypes, shapes and placement come from the tensor tables, plain
-values from the typed-JSON trees (both already verified by :func:`restore.open_checkpoint`).
+No data file is read: tensor dtypes, shapes and placement come from the tensor tables (a sharded
+tensor's mesh and placements from the manifest, its chunks and the ranks that wrote each from the
+index files), plain values from the typed-JSON trees (all verified by :func:`restore.open_checkpoint`).
 Keys are the flat keys of :mod:`ckpt_engine.cli.tree`.
 """
 
@@ -33,6 +34,16 @@ class TensorRow:
     index: int
     tied_to: str | None = None
     numpy: bool = False
+    chunks: tuple[Chunk, ...] = ()
+    """A sharded tensor's chunks, as stored."""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One chunk of a sharded tensor: its box (``[start, stop)`` per dimension) and who wrote it."""
+
+    box: tuple[tuple[int, int], ...]
+    ranks: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -72,12 +83,27 @@ class Contents:
     ranks: tuple[RankRow, ...]
 
 
-def _placement(t: TensorEntry, world: int) -> str:
+def _placement(t: TensorEntry, world: int, chunks: int = 0) -> str:
+    if t.sharding is not None:
+        names = f" ({', '.join(t.sharding.mesh_dims)})" if t.sharding.mesh_dims else ""
+        return (f"sharded {', '.join(t.sharding.placements)} on mesh {list(t.sharding.mesh)}{names}: "
+                f"{chunks} chunk{'s' if chunks != 1 else ''}")
     return f"split over {world} ranks" if t.owner == -1 else f"rank {t.owner}"
 
 
-def _rows(tree: Any, table: Sequence[TensorEntry], placement: Any, width: int) -> tuple[tuple[TensorRow, ...],
-                                                                                        tuple[ValueRow, ...]]:
+def _chunks(ck: Opened) -> dict[int, tuple[Chunk, ...]]:
+    """Each sharded tensor's chunks (ordered by box) with the ranks that wrote part of each."""
+    found: dict[int, dict[tuple, set[int]]] = {}
+    for idx in ck.indexes:
+        for e in idx.entries:
+            if e.box is not None:
+                found.setdefault(e.tensor, {}).setdefault(e.box, set()).add(idx.rank)
+    return {i: tuple(Chunk(box, tuple(sorted(ranks))) for box, ranks in sorted(boxes.items()))
+            for i, boxes in found.items()}
+
+
+def _rows(tree: Any, table: Sequence[TensorEntry], placement: Any, width: int,
+          chunks: dict[int, tuple[Chunk, ...]] | None = None) -> tuple[tuple[TensorRow, ...], tuple[ValueRow, ...]]:
     """Tensor and value rows of a typed-JSON tree whose tensors index ``table``."""
     tensors: list[TensorRow] = []
     values: list[ValueRow] = []
@@ -85,8 +111,9 @@ def _rows(tree: Any, table: Sequence[TensorEntry], placement: Any, width: int) -
     for key, leaf in flatten(refs_tree(tree)).items():
         if isinstance(leaf, TensorRef):
             t = table[leaf.index]
-            tensors.append(TensorRow(key, t.dtype, t.shape, t.nbytes, placement(t), leaf.index,
-                                     first.get(leaf.index), leaf.as_numpy))
+            mine = (chunks or {}).get(leaf.index, ())
+            tensors.append(TensorRow(key, t.dtype, t.shape, t.nbytes, placement(t, len(mine)), leaf.index,
+                                     first.get(leaf.index), leaf.as_numpy, mine))
             first.setdefault(leaf.index, key)
         elif is_tensor(leaf):  # an inline NumPy array ($ndarray), stored in the JSON itself
             a: np.ndarray = leaf  # type: ignore[assignment]
@@ -99,10 +126,10 @@ def _rows(tree: Any, table: Sequence[TensorEntry], placement: Any, width: int) -
 def describe(ck: Opened, width: int = 80) -> Contents:
     """Describe ``ck``; ``width`` bounds the shortened value texts."""
     m = ck.manifest
-    tensors, values = _rows(m.state, m.tensors, lambda t: _placement(t, m.world_size), width)
+    tensors, values = _rows(m.state, m.tensors, lambda t, n: _placement(t, m.world_size, n), width, _chunks(ck))
     ranks = []
     for idx in ck.indexes:
-        lt, lv = _rows(idx.local, idx.local_tensors, lambda t: "local", width)
+        lt, lv = _rows(idx.local, idx.local_tensors, lambda t, n: "local", width)
         state_bytes = sum(e.nbytes for e in idx.entries if not e.local)
         local_bytes = sum(e.nbytes for e in idx.entries if e.local)
         ranks.append(RankRow(idx.rank, idx.data_bytes, state_bytes, local_bytes, lt, lv, dict(idx.stats)))
@@ -110,8 +137,11 @@ def describe(ck: Opened, width: int = 80) -> Contents:
 
 
 def _tensor_json(t: TensorRow) -> dict:
-    return {"key": t.key, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes, "placement": t.placement,
-            "index": t.index, "tied_to": t.tied_to, "numpy": t.numpy}
+    out = {"key": t.key, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes, "placement": t.placement,
+           "index": t.index, "tied_to": t.tied_to, "numpy": t.numpy}
+    if t.chunks:
+        out["chunks"] = [{"box": [list(r) for r in c.box], "ranks": list(c.ranks)} for c in t.chunks]
+    return out
 
 
 def _value_json(v: ValueRow) -> dict:
@@ -143,14 +173,24 @@ def _value_lines(values: Sequence[ValueRow], indent: str) -> list[str]:
     return render(("key", "type", "value"), [(v.key, v.type, v.text) for v in values], indent=indent)
 
 
-def render_text(c: Contents, detail_ranks: Sequence[int]) -> str:
-    """The human-readable report; ranks in ``detail_ranks`` get their local tensors and values listed."""
+def _chunk_lines(tensors: Sequence[TensorRow], indent: str) -> list[str]:
+    rows = [(t.key if i == 0 else "", ", ".join(f"{a}:{b}" for a, b in c.box) or "(scalar)",
+             ",".join(map(str, c.ranks))) for t in tensors if t.tied_to is None for i, c in enumerate(t.chunks)]
+    return render(("sharded tensor", "chunk", "written by ranks"), rows, indent=indent) if rows else []
+
+
+def render_text(c: Contents, detail_ranks: Sequence[int], chunks: bool = False) -> str:
+    """The human-readable report; ranks in ``detail_ranks`` get their local tensors and values
+    listed; ``chunks``: every chunk of every sharded tensor, with the ranks that wrote it."""
     unique = sum(t.nbytes for t in c.tensors if t.tied_to is None)
     lines = [f"step {c.step}  {c.dirname}  {c.world_size} rank(s)  {human(c.total_bytes)} on storage  "
              f"committed {iso(c.created_at)}", "",
-             f"replicated state: {len(c.tensors)} tensors ({human(unique)}), {len(c.values)} other values"]
+             f"{'sharded and ' if any(t.chunks for t in c.tensors) else ''}replicated state: {len(c.tensors)} tensors "
+             f"({human(unique)}), {len(c.values)} other values"]
     if c.tensors:
         lines += _tensor_lines(c.tensors, "  ")
+    if chunks:
+        lines += ["", *_chunk_lines(c.tensors, "  ")]
     if c.values:
         lines += ["", *_value_lines(c.values, "  ")]
     for r in c.ranks:
@@ -178,7 +218,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print_json(to_json(contents))
         return OK
     ranks = args.rank if args.rank else ([r.rank for r in contents.ranks] if contents.world_size <= 8 else [0])
-    print(render_text(contents, ranks))
+    print(render_text(contents, ranks, args.chunks))
     return OK
 
 
@@ -189,4 +229,6 @@ def add_parser(sub: Any, parents: Parents) -> None:
     p.add_argument("--rank", type=int, action="append", default=[],
                    help="list this writer rank's local values in full (repeatable; default: all up to 8 ranks)")
     p.add_argument("--width", type=int, default=80, help="cut value texts to about this many characters")
+    p.add_argument("--chunks", action="store_true",
+                   help="list every chunk of every sharded tensor and the ranks that wrote it")
     p.set_defaults(fn=cmd_inspect)

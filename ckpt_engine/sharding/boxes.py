@@ -99,18 +99,14 @@ def contiguous_start(inner: Box, outer: Box) -> int | None:
     """Where ``inner`` starts in the row-major order of ``outer`` when its elements are one run
     there (so a piece of ``inner`` can be read straight into ``outer``'s memory), else ``None``.
 
-    One run: after the first dimension where ``inner`` is shorter than ``outer``, every dimension
-    is whole; before it, every dimension has length 1.
+    One run: before the last dimension where ``inner`` is shorter than ``outer``, every dimension
+    has length 1 (after it, every dimension is whole by definition).
     """
     if len(inner) != len(outer) or any(not (o0 <= i0 <= i1 <= o1) for (i0, i1), (o0, o1) in zip(inner, outer)):
         return None
     short = [d for d, ((i0, i1), (o0, o1)) in enumerate(zip(inner, outer)) if (i0, i1) != (o0, o1)]
-    if short:
-        first = short[0]
-        if any(inner[d] != outer[d] for d in range(first + 1, len(inner))):
-            return None
-        if any(inner[d][1] - inner[d][0] != 1 for d in range(first)):
-            return None
+    if short and any(inner[d][1] - inner[d][0] != 1 for d in range(short[-1])):
+        return None
     start, stride = 0, 1
     for (i0, _), (o0, o1) in zip(reversed(inner), reversed(outer)):
         start += (i0 - o0) * stride
