@@ -81,17 +81,10 @@ def local_chunk(t: Any, path: str) -> LocalChunk:
     Raises :class:`UnsupportedValueError` naming ``path`` for a ``Partial`` placement, or when the
     local tensor is not the chunk torch's layout rule gives (a padded local shard).
     """
-    mesh, placements = t.device_mesh, tuple(t.placements)
-    sharding = Sharding(tuple(mesh.shape), tuple(str(p) for p in placements), tuple(mesh.mesh_dim_names or ()))
-    for p in placements:
-        if p.is_partial():
-            raise UnsupportedValueError(
-                f"{path}: cannot store a DTensor with a Partial placement ({_facts(t, sharding)}): its chunks are "
-                "not yet reduced to the tensor's value; redistribute it first, e.g. "
-                "t.redistribute(placements=[Replicate()] * mesh.ndim)")
     shape = tuple(t.shape)
-    local = t.to_local().detach()
-    box, replica, replicas = _layout(mesh, placements, shape, path)
+    box, replica, replicas, sharding = _layout(t.device_mesh, tuple(t.placements), shape, path)
+    inner = getattr(t, "_local_tensor", None)  # what to_local() returns, without its autograd call
+    local = (inner if isinstance(inner, torch.Tensor) else t.to_local()).detach()
     if numel(box) and tuple(local.shape) != sizes(box):
         raise UnsupportedValueError(
             f"{path}: the DTensor's local tensor has shape {tuple(local.shape)}, its chunk of the global "
@@ -106,21 +99,31 @@ def chunk_box(t: Any, path: str = "") -> Box:
     return _layout(t.device_mesh, tuple(t.placements), tuple(t.shape), path)[0]
 
 
-_LAYOUTS: dict[tuple, tuple[Any, tuple[Box, int, int]]] = {}
+_Layout = tuple[Box, int, int, Sharding]
+_LAYOUTS: dict[tuple, tuple[Any, _Layout]] = {}
 """:func:`_layout` by (mesh id, placements, shape), with the mesh kept so its id is not reused:
-asked for every ``DTensor`` at every save, it is worked out once."""
+asked for every ``DTensor`` at every save (in the stall), it is worked out once."""
 
 
-def _layout(mesh: Any, placements: tuple, shape: tuple[int, ...], path: str) -> tuple[Box, int, int]:
-    """(chunk box, replica, replicas) of this rank for a tensor of ``shape`` laid out by
-    ``placements`` on ``mesh``; pure in its arguments (and this rank), cached."""
+def _layout(mesh: Any, placements: tuple, shape: tuple[int, ...], path: str) -> _Layout:
+    """(chunk box, replica, replicas, sharding) of this rank for a tensor of ``shape`` laid out by
+    ``placements`` on ``mesh``; pure in its arguments (and this rank), cached. Raises
+    :class:`UnsupportedValueError` naming ``path`` for a ``Partial`` placement."""
     key = (id(mesh), placements, shape)
     hit = _LAYOUTS.get(key)
     if hit is not None and hit[0] is mesh:
         return hit[1]
+    sharding = Sharding(tuple(mesh.shape), tuple(str(p) for p in placements), tuple(mesh.mesh_dim_names or ()))
+    for p in placements:
+        if p.is_partial():
+            raise UnsupportedValueError(
+                f"{path}: cannot store a DTensor with a Partial placement (shape {list(shape)}, mesh "
+                f"{list(sharding.mesh)}, placements {', '.join(sharding.placements)}): its chunks are not yet "
+                "reduced to the tensor's value; redistribute it first, e.g. "
+                "t.redistribute(placements=[Replicate()] * mesh.ndim)")
     coord = mesh.get_coordinate()
     if coord is None:  # this rank is not in the tensor's mesh: it holds none of it
-        out: tuple[Box, int, int] = (tuple((0, 0) for _ in shape), 0, 1)
+        out: _Layout = (tuple((0, 0) for _ in shape), 0, 1, sharding)
     else:
         try:
             from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -133,7 +136,7 @@ def _layout(mesh: Any, placements: tuple, shape: tuple[int, ...], path: str) -> 
             if p.is_replicate():
                 replica, replicas = replica * mesh.size(d) + coord[d], replicas * mesh.size(d)
         extra, extras = _implicit_replica(mesh, path)
-        out = (box_of(offsets, lengths), replica * extras + extra, replicas * extras)
+        out = (box_of(offsets, lengths), replica * extras + extra, replicas * extras, sharding)
     if len(_LAYOUTS) > 65536:
         _LAYOUTS.clear()
     _LAYOUTS[key] = (mesh, out)
