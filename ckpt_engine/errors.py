@@ -19,6 +19,11 @@ class FormatError(CheckpointError, ValueError):
     """A manifest or index file is malformed, hostile or of an unknown format version."""
 
 
+class MismatchError(CheckpointError, ValueError):
+    """The state given to ``load(into=...)`` does not match the checkpoint (a key it lacks, another
+    shape or dtype): a property of the caller's state, so no older checkpoint is tried instead."""
+
+
 class CorruptionError(CheckpointError):
     """Bytes read back do not match their checksum, or a file is missing or truncated."""
 

@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 from .agree import on_rank0
 from .comm import Comm
-from .errors import CheckpointError, CorruptionError, NoCheckpointError
+from .errors import CheckpointError, CorruptionError, MismatchError, NoCheckpointError
 from .format.catalog import committed, manifest_dirs
 from .format.manifest import Manifest
 from .progress import Bar
@@ -116,7 +116,8 @@ def restore(storage: Storage, comm: Comm, step: int | None, fallback: bool, thre
             report: dict[str, Any] = {"ok": True}
         except Exception as e:  # noqa: BLE001 - reported to the other ranks first, so that none waits forever
             own, report = e, {"ok": False, "error": f"rank {rank}: {e}",
-                              "final": not isinstance(e, CheckpointError) or isinstance(e, NoCheckpointError)}
+                              "final": not isinstance(e, CheckpointError) or isinstance(e, (NoCheckpointError,
+                                                                                           MismatchError))}
         reports = comm.all_gather(report) if comm.world_size > 1 else [report]
         bad = [r for r in reports if not r["ok"]]
         if not bad:

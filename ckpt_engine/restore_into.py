@@ -12,8 +12,12 @@ by position), the way ``torch.distributed.checkpoint.load`` matches a state dict
   containers of ``state``, which are updated in place), a tensor stored where ``state`` holds none
   is read whole;
 * keys the checkpoint has and ``state`` lacks are left out (``state`` says what to load); a key
-  ``state`` has and the checkpoint lacks, or a tensor of another shape or dtype, is an error
-  naming the key, raised before anything is read.
+  ``state`` has and the checkpoint lacks, or a tensor of another shape or dtype, is a
+  :class:`MismatchError` naming the key, raised before anything is read or changed.
+
+The containers of ``state`` are changed only once every piece was read and verified; its tensors
+are written as their pieces arrive, so after a failed read they may hold part of that checkpoint
+(``restore()`` then fills them again from the one it falls back to).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .errors import FormatError
+from .errors import MismatchError
 from .format.manifest import Manifest
 from .restore import Target, whole_targets
 from .sharding.boxes import full_box, numel
@@ -48,36 +52,45 @@ def fill(into: Any, manifest: Manifest, where: str, read: Callable[[Sequence[Tar
     stored = decode(manifest.state, _Ref, count=len(manifest.tensors), where=where)
     targets: list[Target] = []
     wanted: set[int] = set()
-    merged = _merge(into, stored, "state", manifest, targets, wanted)
+    changes: list[tuple[Any, Any, Any]] = []
+    merged = _merge(into, stored, "state", manifest, targets, wanted, changes)
     whole = {t.tensor: t for t in whole_targets(manifest.tensors, sorted(wanted))}
     read(targets + list(whole.values()))
-    return _resolve(merged, whole)
+    for container, key, value in changes:
+        container[key] = _resolve(value, whole)
+    return merged if merged is into else _resolve(merged, whole)
 
 
-def _merge(into: Any, stored: Any, path: str, manifest: Manifest, targets: list[Target], wanted: set[int]) -> Any:
+def _merge(into: Any, stored: Any, path: str, manifest: Manifest, targets: list[Target], wanted: set[int],
+           changes: list[tuple[Any, Any, Any]]) -> Any:
+    """The value ``into`` becomes (``into`` itself for tensors, dicts and lists, whose changed
+    items are appended to ``changes``, applied after the read); collects the targets to read."""
     if isinstance(into, torch.Tensor):
         if not isinstance(stored, _Ref) or stored.as_numpy:
-            raise FormatError(f"{path}: the state to load into holds a tensor, the checkpoint "
+            raise MismatchError(f"{path}: the state to load into holds a tensor, the checkpoint "
                               f"{'a NumPy array' if isinstance(stored, _Ref) else f'a {type(stored).__name__}'}")
         targets.extend(_targets(into, stored.index, path, manifest))
         return into
     if isinstance(into, dict):
         if not isinstance(stored, dict):
-            raise FormatError(f"{path}: the state to load into holds a dict, the checkpoint a {_kind(stored)}")
+            raise MismatchError(f"{path}: the state to load into holds a dict, the checkpoint a {_kind(stored)}")
         missing = [k for k in into if k not in stored]
         if missing:
-            raise FormatError(f"{path}: keys {missing[:8]} are not in the checkpoint (it has {list(stored)[:8]}"
+            raise MismatchError(f"{path}: keys {missing[:8]} are not in the checkpoint (it has {list(stored)[:8]}"
                               f"{'...' if len(stored) > 8 else ''}); load without into= to see what it holds")
         for k in into:
-            into[k] = _merge(into[k], stored[k], f"{path}[{k!r}]", manifest, targets, wanted)
+            new = _merge(into[k], stored[k], f"{path}[{k!r}]", manifest, targets, wanted, changes)
+            if new is not into[k]:
+                changes.append((into, k, new))
         return into
     if isinstance(into, (list, tuple)):
         if not isinstance(stored, (list, tuple)) or len(stored) != len(into):
-            raise FormatError(f"{path}: the state to load into holds a {type(into).__name__} of {len(into)}, the "
+            raise MismatchError(f"{path}: the state to load into holds a {type(into).__name__} of {len(into)}, the "
                               f"checkpoint a {_kind(stored)}")
-        items = [_merge(x, y, f"{path}[{i}]", manifest, targets, wanted) for i, (x, y) in enumerate(zip(into, stored))]
+        items = [_merge(x, y, f"{path}[{i}]", manifest, targets, wanted, changes)
+                 for i, (x, y) in enumerate(zip(into, stored))]
         if isinstance(into, list):
-            into[:] = items
+            changes.extend((into, i, new) for i, (old, new) in enumerate(zip(into, items)) if new is not old)
             return into
         return type(into)(items) if type(into) is tuple else type(into)(*items)
     _want(stored, wanted)
@@ -88,7 +101,7 @@ def _targets(t: torch.Tensor, i: int, path: str, manifest: Manifest) -> list[Tar
     """The region of table tensor ``i`` that ``t`` (a ``DTensor`` or a plain tensor) receives."""
     entry = manifest.tensors[i]
     if tuple(t.shape) != entry.shape or t.dtype != parse_dtype(entry.dtype):
-        raise FormatError(f"{path}: the checkpoint holds {entry.dtype}{list(entry.shape)}, the state to load into "
+        raise MismatchError(f"{path}: the checkpoint holds {entry.dtype}{list(entry.shape)}, the state to load into "
                           f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}; convert one to the other")
     if is_dtensor(t):
         box = chunk_box(t, path)
@@ -109,7 +122,8 @@ def _want(stored: Any, wanted: set[int]) -> None:
 
 
 def _resolve(value: Any, whole: dict[int, Target]) -> Any:
-    """Replace the placeholders left by :func:`_merge` with the tensors read (containers in place)."""
+    """Replace the placeholders left by :func:`_merge` with the tensors read (in the checkpoint's
+    own containers, or in new tuples; the containers of ``into`` are never entered here)."""
     if isinstance(value, _Ref):
         out = whole[value.index].out
         return out.numpy() if value.as_numpy else out

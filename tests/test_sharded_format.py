@@ -280,3 +280,52 @@ def test_hostile_chunk_boxes_are_rejected(box, message):
     body["entries"][1][0] = 1
     with pytest.raises(FormatError):
         RankIndex.from_json(json.dumps(body).encode(), "i")
+
+
+# ---- load(into=...) in one process ----------------------------------------------------------------
+def test_load_into_plain_state_fills_tensors_in_place_and_replaces_values(tmp_path):
+    import numpy as np
+
+    from ckpt_engine import Checkpointer
+
+    ck = Checkpointer(str(tmp_path / "ck"))
+    saved = {"model": {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(3, dtype=torch.bfloat16)},
+             "opt": {"step": 7, "lr": 0.5, "betas": (0.9, 0.99), "extra": [torch.tensor(3), "x"]},
+             "arr": np.arange(3), "only_in_checkpoint": torch.zeros(2)}
+    ck.save(saved, 1)
+    ck.wait()
+    w, b = torch.zeros(3, 4), torch.zeros(3, dtype=torch.bfloat16)
+    into = {"model": {"w": w, "b": b}, "opt": {"step": 0, "lr": None, "betas": (0.0, 0.0), "extra": [None, None]},
+            "arr": None}
+    out = ck.load(into=into)
+    assert out is into and into["model"]["w"] is w and into["model"]["b"] is b  # filled in place
+    assert torch.equal(w, saved["model"]["w"]) and torch.equal(b, saved["model"]["b"])
+    assert into["opt"]["step"] == 7 and into["opt"]["lr"] == 0.5 and into["opt"]["betas"] == (0.9, 0.99)
+    assert torch.equal(into["opt"]["extra"][0], torch.tensor(3)) and into["opt"]["extra"][1] == "x"
+    assert isinstance(into["arr"], np.ndarray) and list(into["arr"]) == [0, 1, 2]
+    assert "only_in_checkpoint" not in into  # the state to load into says what is loaded
+    ck.close()
+
+
+def test_load_into_names_the_key_of_a_mismatch_and_changes_nothing(tmp_path):
+    from ckpt_engine import Checkpointer, MismatchError
+
+    ck = Checkpointer(str(tmp_path / "ck"))
+    ck.save({"model": {"w": torch.arange(6.0), "n": 3}}, 0)
+    ck.save({"model": {"w": torch.arange(6.0), "n": 3}}, 1)
+    ck.wait()
+    w = torch.zeros(6)
+    for bad, message in [({"model": {"w": w, "n": 0, "v": torch.zeros(1)}}, r"state\['model'\]: keys \['v'\] are not in"),
+                         ({"model": {"n": 0, "w": torch.zeros(5)}}, r"state\['model'\]\['w'\]: the checkpoint holds "
+                                                                    r"float32\[6\], the state to load into float32\[5\]"),
+                         ({"model": {"n": 0, "w": torch.zeros(6, dtype=torch.float64)}}, r"float64\[6\]"),
+                         ({"model": {"n": torch.zeros(1)}}, r"\['n'\]: the state to load into holds a tensor, the "
+                                                           r"checkpoint a int")]:
+        with pytest.raises(MismatchError, match=message):
+            ck.load(into=bad)
+        assert bad["model"].get("n", 0) == 0 or isinstance(bad["model"]["n"], torch.Tensor)  # nothing replaced
+        with pytest.raises(MismatchError, match=message):  # the caller's state: no older checkpoint is tried
+            ck.restore(into=bad)
+        assert ck.load_failures and all("step-000000000001" in f for f in ck.load_failures), ck.load_failures
+    assert torch.equal(w, torch.zeros(6))
+    ck.close()

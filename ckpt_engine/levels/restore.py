@@ -26,7 +26,7 @@ import torch
 import xxhash
 
 from ..comm import Comm
-from ..errors import CheckpointError, CorruptionError, FormatError, NoCheckpointError
+from ..errors import CheckpointError, CorruptionError, FormatError, MismatchError, NoCheckpointError
 from .transfer import StreamCheck
 from ..format.catalog import manifest_dirs
 from .open import RANK_COMMIT, Level, RankCommit, complete_everywhere, local_catalog
@@ -91,7 +91,8 @@ def load_levels(ml: MultiLevel, comm: Comm, step: int | None, fallback: bool, th
                        else _read_shared(level, c, threads, comm.rank, into))
             report = attempt.report
         except Exception as e:  # noqa: BLE001 - reported to the other ranks first, so that none waits forever
-            own_error, attempt, report = own_error or e, None, {"ok": False, "error": f"rank {comm.rank}: {e}"}
+            own_error, attempt, report = own_error or e, None, {"ok": False, "error": f"rank {comm.rank}: {e}",
+                                                                "final": isinstance(e, MismatchError)}
         reports = comm.all_gather(report) if comm.world_size > 1 else [report]
         bad = [r["error"] for r in reports if not r["ok"]]
         if not bad:
@@ -101,6 +102,8 @@ def load_levels(ml: MultiLevel, comm: Comm, step: int | None, fallback: bool, th
             except CheckpointError as e:  # the same on every rank: it depends on the gathered reports only
                 own_error, bad = own_error or e, [str(e)]
         failures.extend(f"{level.name} {c.dirname}: {b}" for b in bad)
+        if any(r.get("final") for r in reports):  # the caller's state does not fit: no other copy will
+            break
     if own_error is not None:
         raise own_error
     raise CorruptionError("no checkpoint verifies on every rank: " + "; ".join(failures))
