@@ -125,6 +125,9 @@ class Places:
     def needed(self, e: IndexEntry) -> bool:
         """Whether any target meets the piece ``e``."""
         targets = self.targets.get(e.tensor, ())
+        whole = full_box(self.table[e.tensor].shape)
+        if any(t.box == whole for t in targets):
+            return True  # a whole tensor needs every piece
         return any(intersect(b, t.box) is not None for _, b in range_boxes(self.chunk(e), e.start, e.stop)
                    for t in targets)
 
