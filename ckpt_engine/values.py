@@ -212,6 +212,13 @@ def tensor_refusal(t: torch.Tensor) -> str | None:
     if is_dtensor(t):
         return (f"a DTensor ({_facts(t)}, placements {tuple(t.placements)}) given as a plain tensor: store it in "
                 "a state passed to encode(), which stores this rank's chunk (its to_local())")
+    sharded = _loaded_class("torch.distributed._shard.sharded_tensor.api", "ShardedTensor")
+    if sharded is not None and isinstance(t, sharded):
+        meta = t.metadata()
+        return (f"a ShardedTensor (dtype {meta.tensor_properties.dtype}, global shape {tuple(meta.size)}), the "
+                "deprecated kind FSDP1's sharded state dict holds when the model was wrapped without a device "
+                "mesh: wrap it with FullyShardedDataParallel(..., device_mesh=init_device_mesh(...)) so that "
+                "get_state_dict() gives DTensors, which each rank stores as its chunk (or use FSDP2, fully_shard)")
     fake = _loaded_class("torch._subclasses.fake_tensor", "FakeTensor")
     if fake is not None and isinstance(t, fake):
         return (f"a FakeTensor ({_facts(t)}): it has no data (it comes from FakeTensorMode, e.g. torch.compile "
