@@ -149,6 +149,28 @@ class SlowStorage(Storage):
         return super().write_stream(rel, chunks, **kw)
 
 
+class CountingStorage(Storage):
+    """The real storage, counting in ``data_read`` the bytes read from data files (``.bin``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.data_read = 0
+        self._lock = threading.Lock()
+
+    def reader(self, rel: str) -> Any:
+        inner = super().reader(rel)
+        if rel.endswith(".bin"):
+            read_into = inner.read_into
+
+            def counted(offset: int, dest: memoryview) -> None:
+                read_into(offset, dest)
+                with self._lock:
+                    self.data_read += len(dest)
+
+            inner.read_into = counted  # type: ignore[method-assign]
+        return inner
+
+
 class GatedStorage(Storage):
     """The real storage; data-file (``.bin``) writes wait until ``gate`` is set. ``blocked`` is set
     once a write waits at the gate (so a test knows, without sleeping, that the writer is held)."""

@@ -10,7 +10,8 @@ MASTER_PORT in the environment (``LAYOUT single`` runs alone, without torch.dist
 * ``single``: one process, a plain module.
 
 With ``SHARDED_LEVELS=1`` in the environment the checkpoints go to a node-local level 1
-(``ROOT/node{rank}``) flushed to a shared level 2 (``ROOT/shared``).
+(``ROOT/node{rank}``) flushed to a shared level 2 (``ROOT/shared``); with ``SHARDED_COUNT=1`` the
+``load`` mode writes the bytes it read from data files to ``OUT/read-RANK.json``.
 
 Modes:
 
@@ -151,6 +152,10 @@ def main() -> None:
     model, opt, comm = build(layout, seed=0 if mode != "load" else 99)
     if os.environ.get("SHARDED_LEVELS"):  # a node-local level 1 (one directory per rank), a shared level 2
         ck = Checkpointer(levels=[os.path.join(root, f"node{rank}"), os.path.join(root, "shared")], comm=comm)
+    elif os.environ.get("SHARDED_COUNT"):  # count the bytes read from data files
+        from ckpt_engine.testing import CountingStorage
+
+        ck = Checkpointer(CountingStorage(root), comm=comm)
     else:
         ck = Checkpointer(root, comm=comm)
     if mode == "save":
@@ -172,6 +177,9 @@ def main() -> None:
             state = sharded_state(model, opt, layout)
             restored = ck.restore(into=state)
             assert restored.state is state
+        if os.environ.get("SHARDED_COUNT"):
+            with open(os.path.join(out, f"read-{rank}.json"), "w") as f:
+                f.write(f'{{"read": {ck.storage.data_read}}}')
         load_into(model, opt, layout, state)
         full = full_state(model, opt, layout)
         train(model, opt, range(restored.step + 1, restored.step + 3))

@@ -224,3 +224,33 @@ def test_sharded_state_through_a_node_local_level_and_its_flush(tmp_path):
         assert (loaded / "level.txt").read_text() == str(level)
         assert_same(full(f"{loaded}/loaded.pt"), ref)
     assert_same(Checkpointer(str(root / "shared"), readonly=True).load(), ref)
+
+
+def test_each_rank_reads_only_the_pieces_its_chunks_need(saved, tmp_path):
+    """Same layout: every rank reads exactly the extents of its own chunks' pieces and of the plain
+    tensors. Twice the ranks: the first and last new chunks lie in one old rank's chunks, and are
+    read from that rank's pieces alone; no rank reads the whole checkpoint."""
+    import json
+
+    from ckpt_engine.format.manifest import extents
+
+    ck, _ = saved("fsdp")
+    reader = Checkpointer(ck, readonly=True)
+    reader.load()
+    indexes = reader._loaded.opened.indexes
+    sizes = [dict(zip(idx.entries, extents(idx.entries, idx.data_bytes))) for idx in indexes]
+    plain = sum(end - e.offset for idx, ends in zip(indexes, sizes) for e, end in ends.items()
+                if not e.local and e.box is None)
+    own = [plain + sum(end - e.offset for e, end in sizes[r].items() if e.box is not None) for r in range(2)]
+    total = sum(idx.data_bytes for idx in indexes)
+    for world in (2, 4):
+        out = tmp_path / f"count-{world}"
+        out.mkdir()
+        for p in start_ranks(world, ["load", "fsdp", ck, str(out)], dict(ENV, SHARDED_COUNT="1"), worker=WORKER):
+            output, _ = p.communicate(timeout=300)
+            assert p.returncode == 0, output[-4000:]
+        read = [json.loads((out / f"read-{r}.json").read_text())["read"] for r in range(world)]
+        if world == 2:
+            assert read == own, (read, own)
+        else:
+            assert read[0] <= own[0] and read[3] <= own[1] and max(read) < total, (read, own, total)
