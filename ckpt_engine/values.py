@@ -131,7 +131,8 @@ def encode(state: object, root: str = "state", *, sharded: bool = True) -> Encod
         refusal = tensor_refusal(t)
         if refusal is not None:
             raise UnsupportedValueError(f"{path}: cannot store {refusal}")
-        t = t.detach()
+        if chunk is None:
+            t = t.detach()  # a chunk is detached already
         if t.numel() > 0:
             alias = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), chunk and (chunk.shape, chunk.box))
             if alias in seen:
@@ -196,6 +197,19 @@ def encode(state: object, root: str = "state", *, sharded: bool = True) -> Encod
 
 _SPARSE = {torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc}
 _NO_DISPATCH = torch.Tensor.__torch_dispatch__
+_PLAIN_TYPES = frozenset(k for k in (torch.Tensor, torch.nn.Parameter, getattr(torch.nn, "Buffer", None))
+                         if isinstance(k, type))
+_DTYPES = frozenset(TORCH_DTYPES.values())
+_DEVICES = frozenset(("cpu", "cuda"))
+_is_functional = getattr(torch, "_is_functional_tensor", lambda _: False)
+
+
+def _plainly_storable(t: torch.Tensor) -> bool:
+    """The common case, decided in a few attribute reads (asked for every tensor of every save):
+    a plain-typed, dense, strided tensor of a named dtype on CPU or CUDA with real storage."""
+    return (type(t) in _PLAIN_TYPES and t.layout is torch.strided and t.dtype in _DTYPES and not t.is_meta
+            and t.device.type in _DEVICES and not t.is_quantized and not t.is_nested and t.dim() <= MAX_NDIM
+            and not _is_functional(t) and (t.numel() == 0 or _has_storage(t)))
 
 
 def tensor_refusal(t: torch.Tensor) -> str | None:
@@ -209,6 +223,8 @@ def tensor_refusal(t: torch.Tensor) -> str | None:
     pointer (a SIGSEGV) or store bytes that are not its values, so it must be refused before the
     copy. Pure: reads metadata only, never the data.
     """
+    if _plainly_storable(t):
+        return None
     if is_dtensor(t):
         return (f"a DTensor ({_facts(t)}, placements {tuple(t.placements)}) given as a plain tensor: store it in "
                 "a state passed to encode(), which stores this rank's chunk (its to_local())")
@@ -226,7 +242,7 @@ def tensor_refusal(t: torch.Tensor) -> str | None:
     if t.is_nested:
         return (f"a nested tensor (layout {t.layout}, dtype {t.dtype}, device {t.device}): store its components "
                 "instead, list(t.unbind()), or t.to_padded_tensor(0.0)")
-    if getattr(torch, "_is_functional_tensor", lambda _: False)(t):
+    if _is_functional(t):
         return (f"a functional tensor ({_facts(t)}): a functionalization wrapper (torch.func, torch.compile) "
                 "without storage of its own; save the real tensors, outside the transform")
     kind = type(t)

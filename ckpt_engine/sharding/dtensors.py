@@ -60,11 +60,18 @@ class LocalChunk:
     sharding: Sharding
 
 
+_DTENSOR: list[type] = []
+"""The ``DTensor`` class once it was seen imported (asked for every tensor of every save)."""
+
+
 def dtensor_class() -> type | None:
     """``torch.distributed.tensor.DTensor`` when it is imported (no instance exists otherwise)."""
+    if _DTENSOR:
+        return _DTENSOR[0]
     for module in ("torch.distributed.tensor", "torch.distributed._tensor"):
         cls = getattr(sys.modules.get(module), "DTensor", None)
         if isinstance(cls, type):
+            _DTENSOR.append(cls)
             return cls
     return None
 
