@@ -267,15 +267,21 @@ def rank_main(rank: int, world: int, cfg: Config, workdir: str, port: int) -> No
         dist.destroy_process_group()
 
 
-def run_world(world: int, cfg: Config) -> dict[str, Any]:
-    """Spawn ``world`` rank processes; return every rank's figures and their slowest-rank merge."""
+def spawn_ranks(main: Any, world: int, cfg: Any) -> list[dict]:
+    """Run ``main(rank, world, cfg, workdir, port)`` in ``world`` processes; each rank's ``rank-N.json``."""
     workdir = os.path.join(cfg.dir, f"world{world}")
     os.makedirs(workdir, exist_ok=True)
-    mp.spawn(rank_main, args=(world, cfg, workdir, _free_port()), nprocs=world, join=True)
+    mp.spawn(main, args=(world, cfg, workdir, _free_port()), nprocs=world, join=True)
     ranks = []
     for r in range(world):
         with open(os.path.join(workdir, f"rank-{r}.json")) as f:
             ranks.append(json.load(f))
+    return ranks
+
+
+def run_world(world: int, cfg: Config) -> dict[str, Any]:
+    """Spawn ``world`` rank processes; return every rank's figures and their slowest-rank merge."""
+    ranks = spawn_ranks(rank_main, world, cfg)
     return {"ranks": ranks, "slowest": _slowest(ranks)}
 
 
