@@ -28,10 +28,14 @@ def split(checkpoint: dict[str, Any], buffer_names: Any) -> Parts:
                  {"misc": plain_misc(checkpoint), "buffers": buffers})
 
 
-def assemble(state: dict[str, Any], misc: dict[str, Any], buffers: dict[str, Any]) -> dict[str, Any]:
+def assemble(state: dict[str, Any], misc: dict[str, Any], buffers: Optional[dict[str, Any]]) -> dict[str, Any]:
     """Lightning's checkpoint dictionary: the replicated weights and optimizer states, this
-    rank's buffers, and the rest (loops, schedulers, callbacks, ...) from writer rank 0."""
+    rank's buffers, and the rest (loops, schedulers, callbacks, ...) from writer rank 0. ``buffers``
+    ``None``: the rest alone (a sharded strategy's state is loaded by ``lightning_ckpt._sharded``, and
+    the strategy's own restore methods do nothing)."""
     checkpoint = dict(misc)
+    if buffers is None:
+        return checkpoint
     checkpoint["state_dict"] = {**state["state_dict"], **buffers}
     checkpoint["optimizer_states"] = state["optimizer_states"]
     return checkpoint
@@ -41,7 +45,8 @@ def resume_start(callback: "AsyncShardedCheckpoint", trainer: Any, path: Any, li
     """Restore exactly one checkpoint (README, "Which checkpoint a resume restores"), in place of
     the checkpoint connector's ``resume_start`` (``lightning(path)`` does what it would have done):
 
-    * ``ckpt_path`` is one of ours: that one (read once, through :class:`CheckpointIOWrapper`);
+    * ``ckpt_path`` is one of ours: that one (read once, through :class:`CheckpointIOWrapper`; under a
+      sharded strategy, whose ``load_checkpoint`` reads its own format, directly);
     * ``ckpt_path`` is Lightning's ``last`` checkpoint (``"last"``): the newer of it and our
       newest, ours on a tie (it also restores the data position and RNG exactly);
     * any other ``ckpt_path``: that one (an explicit choice wins);
@@ -51,7 +56,12 @@ def resume_start(callback: "AsyncShardedCheckpoint", trainer: Any, path: Any, li
     listed once, by the restore, except to compare them with another ``ckpt_path``. Every rank.
     """
     root = callback.config.location
-    if path is not None and is_our_checkpoint(path, root) is not None:
+    which = is_our_checkpoint(path, root) if path is not None else None
+    if which is not None and callback._sharded:  # a sharded strategy loads its own files, not through CheckpointIO
+        checkpoint = callback.restore(None if which == "newest" else int(which))
+        _trainer_api.inject_loaded_checkpoint(trainer, checkpoint, path)
+        return
+    if which is not None:
         lightning(path)
         return
     ck = callback.session.ck

@@ -19,9 +19,25 @@ if TYPE_CHECKING:
     from lightning.pytorch import Trainer
 
 
-def dump_checkpoint(trainer: "Trainer") -> dict[str, Any]:
-    """The full checkpoint dictionary Lightning would save now (weights, optimizers, loops...)."""
-    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+def dump_checkpoint(trainer: "Trainer", weights: bool = True) -> dict[str, Any]:
+    """The full checkpoint dictionary Lightning would save now (weights, optimizers, loops...).
+
+    ``weights=False``: without ``state_dict`` and ``optimizer_states``, which the strategy is then
+    not asked for at all (a sharded strategy copies every chunk to CPU for them, or gathers them:
+    see ``lightning_ckpt._sharded``, which takes them itself).
+    """
+    if weights:
+        return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    strategy = trainer.strategy
+    strategy.lightning_module_state_dict = lambda: {}  # instance attributes over the methods, for this call
+    strategy.optimizer_state = lambda optimizer: {}
+    try:
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    finally:
+        del strategy.lightning_module_state_dict, strategy.optimizer_state
+    checkpoint.pop("state_dict", None)
+    checkpoint.pop("optimizer_states", None)
+    return checkpoint
 
 
 def inject_loaded_checkpoint(trainer: "Trainer", checkpoint: dict[str, Any], path: str) -> None:
@@ -169,9 +185,11 @@ def restores_loader_states(trainer: "Trainer") -> bool:
 
 
 def unsupported_strategy(trainer: "Trainer") -> str | None:
-    """The name of a sharded strategy (whose state is not replicated), or ``None``."""
-    strategies = _lightning.of(trainer).strategies
+    """Why this callback cannot take the state of ``trainer``'s strategy (``DeepSpeedStrategy``: ZeRO
+    partitions it in its own layout, with no ``DTensor`` form), or ``None``. The other sharded
+    strategies go through ``lightning_ckpt._sharded``."""
     strategy = trainer.strategy
-    if isinstance(strategy, (strategies.FSDPStrategy, strategies.DeepSpeedStrategy)):
-        return type(strategy).__name__
+    if isinstance(strategy, _lightning.of(trainer).strategies.DeepSpeedStrategy):
+        return (f"{type(strategy).__name__}: its ZeRO-partitioned state has no DTensor form to take; use "
+                "ModelParallelStrategy (FSDP2, tensor parallel), FSDPStrategy, DDP, ddp_spawn or a single device")
     return None

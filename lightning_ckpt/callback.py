@@ -8,7 +8,8 @@ replicated state and persists it in the background.
 
 What a checkpoint holds, split the way data parallelism splits it:
 
-* replicated (sliced across ranks): model parameters and optimizer states;
+* replicated (sliced across ranks): model parameters and optimizer states; under FSDP2, tensor
+  parallel or FSDP1, each rank's own chunks of them instead (see ``lightning_ckpt._sharded``);
 * per rank (whole): model buffers (BatchNorm statistics differ across DDP ranks after a step),
   the RNG states of Python, NumPy, torch and CUDA, the data position
   (:mod:`ckpt_engine.training.position`), and the rest of Lightning's checkpoint (loops, schedulers,
@@ -38,7 +39,7 @@ from ckpt_engine.training.parts import Parts
 from ckpt_engine.training.resumable import ResumableSampler, set_rng_state
 from ckpt_engine.training.session import TrainingSession
 
-from . import _data, _flags, _lightning, _resume, _trainer_api
+from . import _data, _flags, _lightning, _resume, _sharded, _trainer_api
 from ._preempt import stop_agreement
 from ._resume import CheckpointIOWrapper, assemble
 
@@ -102,6 +103,7 @@ class AsyncShardedCheckpoint(*_lightning.bases("callbacks.Callback")):  # type: 
         self._quiet: Any = None  # the filter silencing Lightning's "not resumable" warning while resuming
         self._due = False  # a checkpoint decided at an epoch's last batch, taken after that epoch's end
         self._restarted_epoch = False  # restored from ours; the first epoch's end not reached yet
+        self._sharded = False  # the strategy shards the state (see lightning_ckpt._sharded)
 
     @property
     def state_key(self) -> str:
@@ -118,8 +120,8 @@ class AsyncShardedCheckpoint(*_lightning.bases("callbacks.Callback")):  # type: 
             return
         unsupported = _trainer_api.unsupported_strategy(trainer)
         if unsupported:
-            raise CheckpointError(f"AsyncShardedCheckpoint does not support {unsupported} yet: it slices "
-                                  "replicated (data-parallel) state; use DDP, ddp_spawn or a single device")
+            raise CheckpointError(f"AsyncShardedCheckpoint does not support {unsupported}")
+        self._sharded = _sharded.applies(trainer)
         dist_ready = torch.distributed.is_available() and torch.distributed.is_initialized()
         comm = TorchDistComm() if dist_ready and trainer.world_size > 1 else LocalComm()
         self.session.start(comm, stop=stop_agreement() if self.save_on_sigterm and comm.world_size > 1 else None)
@@ -134,9 +136,10 @@ class AsyncShardedCheckpoint(*_lightning.bases("callbacks.Callback")):  # type: 
         dictionary Lightning restores from; remember this rank's data position and RNG for the
         moments they must be applied. Every rank calls it (a collective); raises
         :class:`~ckpt_engine.NoCheckpointError` when nothing is committed."""
-        resumed = self.session.restore(step)  # per-rank parts: writer 0's for a rank that had no writer
+        # per-rank parts: writer 0's for a rank that had no writer; a sharded strategy's weights are loaded here
+        resumed = _sharded.restore(self.session, self._trainer, step) if self._sharded else self.session.restore(step)
         mine = resumed.per_rank
-        checkpoint = assemble(resumed.replicated, resumed.first["misc"], mine["buffers"])
+        checkpoint = assemble(resumed.replicated, resumed.first["misc"], None if self._sharded else mine["buffers"])
         self._pending_data = mine["data"]
         self._pending_rng = resumed.rng
         self.resumed_from = resumed.step
@@ -251,10 +254,11 @@ class AsyncShardedCheckpoint(*_lightning.bases("callbacks.Callback")):  # type: 
 
     def _capture(self, trainer: "Trainer", between_epochs: bool = False) -> Parts:
         """What a checkpoint now holds (see the module docstring); the data position from the sampler."""
-        checkpoint = _trainer_api.dump_checkpoint(trainer)
+        checkpoint = _trainer_api.dump_checkpoint(trainer, weights=not self._sharded)
         if between_epochs:
             _trainer_api.as_between_epochs(checkpoint)
-        parts = _resume.split(checkpoint, (name for name, _ in trainer.lightning_module.named_buffers()))
+        parts = (_sharded.split(trainer, checkpoint) if self._sharded
+                 else _resume.split(checkpoint, (name for name, _ in trainer.lightning_module.named_buffers())))
         data = _data.position(self._samplers[0] if self._samplers else None, between_epochs)
         return Parts(parts.replicated, {**parts.per_rank, "data": data})
 

@@ -2,7 +2,13 @@
 
 Usage: ``python lightning_worker.py OUT CKPT [--devices 2] [--workers 0] [--max-steps 40]
 [--every 5] [--kill-at K] [--sigterm-at K] [--tag NAME] [--ckpt-path PATH] [--model-checkpoint]
-[--stateful] [--ddp-on-one]``.
+[--stateful] [--ddp-on-one] [--strategy ddp_spawn|ddp|fsdp2|fsdp2_tp|fsdp1] [--no-mesh]``.
+``fsdp2``: ``ModelParallelStrategy`` with every device on the data-parallel dimension (FSDP2:
+``fully_shard`` in ``configure_model``); ``fsdp2_tp``: a data-parallel dimension of ``devices / 2``
+and tensor parallel over 2 (colwise then rowwise), FSDP2 over the data-parallel dimension; their
+final and restored states are gathered whole (``get_state_dict(full_state_dict=True)``). ``fsdp1``:
+a subclass of ``FSDPStrategy`` (Lightning refuses FSDPStrategy itself on CPU) with the network wrapped
+in FSDP1 in ``configure_model`` (with a device mesh unless ``--no-mesh``) and no ``ModelCheckpoint``.
 Every rank appends the sample ids of each batch to ``OUT/seen-<tag>-rank<r>.jsonl``; rank 0 writes
 the final weights and optimizer state to ``OUT/final-<tag>.pt`` and the resumed step to
 ``OUT/resumed-<tag>.json``.
@@ -112,25 +118,81 @@ class Net(pl.LightningModule):
         return loader(Numbered(), batch_size=8, shuffle=True, num_workers=self.args.workers,
                       persistent_workers=self.args.workers > 0)
 
+    def full_state(self) -> dict:
+        """The whole model and optimizer state (rank 0's)."""
+        return {"model": self.state_dict(), "optimizer": self.trainer.optimizers[0].state_dict()}
+
     def on_train_start(self):
-        if self.args.dump_restored and self.global_rank == 0:
-            opt = self.trainer.optimizers[0]
-            torch.save({"model": self.state_dict(), "optimizer": opt.state_dict(), "step": self.global_step},
-                       os.path.join(self.args.out, f"restored-{self.args.tag}.pt"))
+        if self.args.dump_restored:
+            state = self.full_state()  # every rank: a collective when sharded
+            if self.global_rank == 0:
+                torch.save({**state, "step": self.global_step},
+                           os.path.join(self.args.out, f"restored-{self.args.tag}.pt"))
 
     def on_train_end(self):
         if self.args.model_checkpoint:  # every rank calls it; Lightning writes on rank 0
             self.trainer.save_checkpoint(os.path.join(self.args.out, "manual.ckpt"))
+        state = self.full_state()  # every rank: a collective when sharded
         if self.global_rank == 0:
-            opt = self.trainer.optimizers[0]
             sched = self.trainer.lr_scheduler_configs[0].scheduler
-            torch.save({"model": self.state_dict(), "optimizer": opt.state_dict(), "step": self.global_step,
+            torch.save({**state, "step": self.global_step,
                         "scheduler": {k: v for k, v in sched.state_dict().items() if k != "optimizer"}},
                        os.path.join(self.args.out, f"final-{self.args.tag}.pt"))
             cb = next(c for c in self.trainer.callbacks if isinstance(c, AsyncShardedCheckpoint))
             with open(os.path.join(self.args.out, f"resumed-{self.args.tag}.json"), "w") as f:
                 json.dump({"resumed_from": cb.resumed_from, "global_step": self.global_step,
                            "restores": cb.restores}, f)
+
+
+class ShardedNet(Net):
+    """``Net`` sharded by ``ModelParallelStrategy`` (``--strategy fsdp2`` or ``fsdp2_tp``)."""
+
+    def configure_model(self):
+        if self.args.strategy == "fsdp1":
+            self.wrap_fsdp1()
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh
+        if self.args.strategy == "fsdp2_tp":
+            from torch.distributed.tensor import Replicate
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            parallelize_module(self.net, mesh["tensor_parallel"], {  # BatchNorm1d sees the whole hidden layer
+                "0": ColwiseParallel(output_layouts=Replicate()), "4": RowwiseParallel(input_layouts=Replicate())})
+        dp = mesh["data_parallel"]
+        for layer in (self.net[0], self.net[4]):
+            fully_shard(layer, mesh=dp)
+        fully_shard(self.net, mesh=dp)
+
+    def wrap_fsdp1(self):
+        """FSDP1 on CPU, wrapped here (Lightning's own wrapping gives it no ``device_id``, which CPU needs);
+        with a device mesh, its sharded state dict holds DTensors."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        mesh = None if self.args.no_mesh else init_device_mesh("cpu", (self.trainer.world_size,))
+        self.net = FSDP(self.net, device_mesh=mesh, device_id=torch.device("cpu"), use_orig_params=True)
+
+    def full_state(self) -> dict:
+        """The whole model and optimizer state (a collective; meaningful on rank 0)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        offload = self.args.strategy != "fsdp1"  # FSDP1's offloaded full state dict kills rank 0 on CPU (SIGSEGV)
+        model, optim = get_state_dict(self.trainer.strategy.model, self.trainer.optimizers,
+                                      options=StateDictOptions(full_state_dict=True, cpu_offload=offload))
+        return {"model": model, "optimizer": optim}
+
+
+def strategy(args: argparse.Namespace):
+    """The trainer's strategy for ``--strategy`` (and ``--ddp-on-one``)."""
+    if args.strategy == "fsdp2":
+        return pl.strategies.ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+    if args.strategy == "fsdp2_tp":
+        return pl.strategies.ModelParallelStrategy(data_parallel_size=args.devices // 2, tensor_parallel_size=2)
+    if args.strategy == "fsdp1":  # Lightning refuses FSDPStrategy itself on CPU, not a subclass
+        return type("CPUFSDPStrategy", (pl.strategies.FSDPStrategy,), {})()
+    return args.strategy if args.devices > 1 or args.ddp_on_one else "auto"
 
 
 def main() -> None:
@@ -147,10 +209,11 @@ def main() -> None:
     p.add_argument("--ckpt-path", default=None)
     p.add_argument("--resume", default="auto")
     p.add_argument("--model-checkpoint", action="store_true")
-    p.add_argument("--strategy", default="ddp_spawn")
+    p.add_argument("--strategy", default="ddp_spawn", help="a Lightning strategy name, fsdp2 or fsdp2_tp")
     p.add_argument("--ddp-on-one", action="store_true",
                    help="one device under --strategy (Lightning injects a DistributedSampler), not the single-device one")
     p.add_argument("--dump-restored", action="store_true")
+    p.add_argument("--no-mesh", action="store_true", help="fsdp1: no device mesh (ShardedTensor state)")
     p.add_argument("--stateful", action="store_true", help="torchdata's StatefulDataLoader")
     p.add_argument("--level2", default=None, help="a second level: levels=[CKPT, LEVEL2]")
     p.add_argument("--raise-at", type=int, default=-1, help="every rank raises right after this step")
@@ -169,13 +232,14 @@ def main() -> None:
     if args.model_checkpoint:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=os.path.join(args.out, "mc"), monitor="loss",
                                                       save_top_k=2, every_n_train_steps=4))
-    trainer = pl.Trainer(accelerator="cpu", devices=args.devices,
-                         strategy=args.strategy if args.devices > 1 or args.ddp_on_one else "auto",
+    trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy(args),
                          max_steps=args.max_steps,
                          callbacks=callbacks, logger=pl.loggers.CSVLogger(args.out, name=args.tag),
                          enable_progress_bar=False, enable_model_summary=False,
-                         limit_val_batches=4 if args.val else 0, num_sanity_val_steps=0, deterministic=True)
-    trainer.fit(Net(args), ckpt_path=args.ckpt_path)
+                         limit_val_batches=4 if args.val else 0, num_sanity_val_steps=0, deterministic=True,
+                         enable_checkpointing=args.strategy != "fsdp1")  # Lightning's FSDP1 save: the SIGSEGV above
+    model = ShardedNet(args) if args.strategy.startswith("fsdp") else Net(args)
+    trainer.fit(model, ckpt_path=args.ckpt_path)
 
 
 if __name__ == "__main__":

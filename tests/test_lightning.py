@@ -14,62 +14,13 @@ import torch
 from ckpt_engine import Checkpointer
 from ckpt_engine.format.catalog import committed
 from helpers import flip_local, proc_stat
+import lightning_jobs
+from lightning_jobs import (WORKER, assert_bitwise, assert_epoch_resplit, final, killed_and_resumed, lightning_module,
+                          run, seen)
+
+flavour = lightning_jobs.flavour  # autouse: every test runs under both Lightning distributions
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # real training jobs, killed and resumed
-WORKER = os.path.join(os.path.dirname(__file__), "lightning_worker.py")
-FLAVOURS = ("lightning", "pytorch_lightning")
-
-
-@pytest.fixture(scope="module", autouse=True, params=FLAVOURS)
-def flavour(request):
-    """Every test runs under both Lightning distributions (the jobs read ``LIGHTNING_PACKAGE``)."""
-    before = os.environ.get("LIGHTNING_PACKAGE")
-    os.environ["LIGHTNING_PACKAGE"] = request.param
-    yield request.param
-    if before is None:
-        os.environ.pop("LIGHTNING_PACKAGE", None)
-    else:
-        os.environ["LIGHTNING_PACKAGE"] = before
-
-
-def lightning_module(flavour):
-    """The trainer package of ``flavour``."""
-    import importlib
-
-    return importlib.import_module("lightning.pytorch" if flavour == "lightning" else "pytorch_lightning")
-
-
-def run(out, ckpt, *args, expect_rc=0) -> subprocess.CompletedProcess:
-    out.mkdir(exist_ok=True)
-    proc = subprocess.run([sys.executable, WORKER, str(out), str(ckpt), *args], capture_output=True, text=True,
-                          timeout=300, start_new_session=True)
-    if expect_rc is not None:
-        assert proc.returncode == expect_rc, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc
-
-
-def seen(out, tag, rank) -> list[dict]:
-    with open(out / f"seen-{tag}-rank{rank}.jsonl") as f:
-        return [json.loads(line) for line in f]
-
-
-def final(out, tag) -> dict:
-    return torch.load(out / f"final-{tag}.pt", weights_only=True)
-
-
-def assert_bitwise(a, b):
-    for key in ("model",):
-        assert list(a[key]) == list(b[key])
-        for k in a[key]:
-            assert torch.equal(a[key][k], b[key][k]), k
-    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
-    assert sa.keys() == sb.keys()
-    for p in sa:
-        for k in sa[p]:
-            assert torch.equal(torch.as_tensor(sa[p][k]), torch.as_tensor(sb[p][k])), (p, k)
-    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """The reference: 40 steps, no interruption, with 0 and 2 DataLoader workers."""
@@ -125,16 +76,7 @@ def test_sigkill_mid_epoch_then_auto_resume_is_bitwise_identical(uninterrupted, 
 def test_stateful_dataloader_under_ddp_resumes_bitwise_and_exactly_once(tmp_path, workers):
     """torchdata's StatefulDataLoader: Lightning restores its state; under DDP its sampler is wrapped
     in DistributedSamplerWrapper and its RandomSampler draws from a generator of its own."""
-    flags = ["--stateful", "--workers", str(workers)]
-    ref = tmp_path / "ref"
-    run(ref, ref / "ck", *flags, "--tag", "ref")
-    ck = tmp_path / "ck"
-    run(tmp_path, ck, *flags, "--kill-at", "23", "--tag", "killed", expect_rc=None)
-    restored = Checkpointer(str(ck)).latest_step()
-    assert restored in (15, 20)
-    run(tmp_path, ck, *flags, "--tag", "resumed")
-    assert json.load(open(tmp_path / "resumed-resumed.json"))["resumed_from"] == restored
-    assert_bitwise(final(ref, "ref"), final(tmp_path, "resumed"))
+    ref, restored = killed_and_resumed(tmp_path, ["--stateful", "--workers", str(workers)], 23, (15, 20))
     for rank in (0, 1):
         before = [r for r in seen(tmp_path, "killed", rank) if r["epoch"] == 1 and r["step"] <= restored]
         after = [r for r in seen(tmp_path, "resumed", rank) if r["epoch"] == 1]
@@ -243,15 +185,7 @@ def test_resumed_on_another_number_of_devices_each_remaining_sample_of_the_epoch
     left = -(-share // 8)  # batches, the last one partial
     run(tmp_path, ck, "--devices", str(after), "--max-steps", str(restored + left + 2), "--tag", "resumed")
     assert json.load(open(tmp_path / "resumed-resumed.json"))["resumed_from"] == restored
-    ids = [i for rank in range(before) for row in seen(tmp_path, "killed", rank)
-           if row["epoch"] == epoch and row["step"] <= restored for i in row["ids"]]
-    ids += [i for rank in range(after) for row in seen(tmp_path, "resumed", rank) if row["epoch"] == epoch
-            for i in row["ids"]]
-    assert sorted(ids) == list(range(256))
-    for rank in range(after):
-        rows = seen(tmp_path, "resumed", rank)
-        assert [(row["epoch"], row["batch"]) for row in rows] == (
-            [(epoch, b) for b in range(batches[after] - left, batches[after])] + [(epoch + 1, 0), (epoch + 1, 1)])
+    assert_epoch_resplit(tmp_path, "killed", before, after, restored, epoch, left, batches[after])
 
 
 def test_explicit_ckpt_path_and_coexistence_with_model_checkpoint(tmp_path):
@@ -300,7 +234,7 @@ def test_bad_callback_configuration_fails_naming_the_value(tmp_path, override, m
     assert out.returncode != 0 and message in out.stderr, out.stderr[-2000:]
 
 
-def test_sharded_strategies_are_refused_and_unreachable_paths_named(tmp_path, flavour):
+def test_deepspeed_is_refused_sharded_strategies_take_the_sharded_path_unreachable_paths_named(tmp_path, flavour):
     from ckpt_engine.config import ConfigError
     from lightning_ckpt import AsyncShardedCheckpoint
     with pytest.raises(ConfigError, match="every_n_train_steps and train_time_interval are mutually exclusive"):
@@ -315,15 +249,21 @@ def test_sharded_strategies_are_refused_and_unreachable_paths_named(tmp_path, fl
     with pytest.raises(CheckpointError, match="nosuchproto://bucket/run"):
         cb.setup(trainer, None, "fit")
     class Trainer(pl.Trainer):
-        def __init__(self):  # only what setup() looks at before refusing
-            self._strategy = pl.strategies.FSDPStrategy()
+        def __init__(self, strategy):  # only what setup() looks at before refusing
+            self._strategy = strategy
 
         strategy = property(lambda self: self._strategy)
         world_size = 1
 
-    fsdp = Trainer()
-    with pytest.raises(CheckpointError, match="does not support FSDPStrategy yet"):
-        AsyncShardedCheckpoint(dirpath=str(tmp_path), every_n_train_steps=1).setup(fsdp, None, "fit")
+    from lightning_ckpt import _sharded, _trainer_api
+    deepspeed = pl.strategies.DeepSpeedStrategy
+    deepspeed = Trainer(deepspeed.__new__(deepspeed))  # its __init__ needs DeepSpeed; setup() only isinstance()s it
+    with pytest.raises(CheckpointError, match="does not support DeepSpeedStrategy: its ZeRO-partitioned state"):
+        AsyncShardedCheckpoint(dirpath=str(tmp_path), every_n_train_steps=1).setup(deepspeed, None, "fit")
+    for strategy in (pl.strategies.FSDPStrategy(), pl.strategies.ModelParallelStrategy()):  # the sharded path
+        trainer = Trainer(strategy)
+        assert _trainer_api.unsupported_strategy(trainer) is None and _sharded.applies(trainer)
+    assert not _sharded.applies(Trainer(pl.strategies.DDPStrategy()))
 
 
 # ---- real users' habits (issue #13) -------------------------------------------------------------

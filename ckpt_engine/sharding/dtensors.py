@@ -23,7 +23,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from math import prod
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -44,9 +44,8 @@ class Sharding:
     """The mesh dimensions' names, when it has them (``("replicate", "shard")``)."""
 
 
-@dataclass(frozen=True)
-class LocalChunk:
-    """This rank's part of one ``DTensor``."""
+class LocalChunk(NamedTuple):
+    """This rank's part of one ``DTensor`` (a named tuple: one is made per ``DTensor`` per save)."""
 
     local: torch.Tensor
     """The chunk's values (``to_local()``, detached): a plain tensor of the box's sizes."""
@@ -89,10 +88,12 @@ def local_chunk(t: Any, path: str) -> LocalChunk:
     local tensor is not the chunk torch's layout rule gives (a padded local shard).
     """
     shape = tuple(t.shape)
-    box, replica, replicas, sharding = _layout(t.device_mesh, tuple(t.placements), shape, path)
+    placements = t.placements
+    box, replica, replicas, sharding = _layout(t.device_mesh, placements if type(placements) is tuple
+                                               else tuple(placements), shape, path)
     inner = getattr(t, "_local_tensor", None)  # what to_local() returns, without its autograd call
     local = (inner if isinstance(inner, torch.Tensor) else t.to_local()).detach()
-    if numel(box) and tuple(local.shape) != sizes(box):
+    if local.shape != sizes(box) and numel(box):
         raise UnsupportedValueError(
             f"{path}: the DTensor's local tensor has shape {tuple(local.shape)}, its chunk of the global "
             f"{list(shape)} is {list(sizes(box))} ({_facts(t, sharding)}): a padded or uneven local shard this "

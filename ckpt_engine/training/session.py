@@ -29,7 +29,7 @@ front end captures the session adds the policy's state (replicated) and this ran
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from ..checkpointer import Checkpointer, SaveHandle
 from ..comm import Comm
@@ -97,15 +97,18 @@ class TrainingSession:
         self._stop, self._handle, self._reserved, self.last_saved = stop, None, False, None
         return self.ck
 
-    def restore(self, step: int | None = None) -> Resumed:
+    def restore(self, step: int | None = None, into: Mapping[str, Any] | None = None) -> Resumed:
         """Every rank together: the newest checkpoint (or the newest attempt of ``step``) whose
         every part this rank uses verifies on every rank (a damaged one is skipped by all).
 
         Loads the policy's state and restarts the iteration clock; returns this rank's parts
         (:class:`Resumed`: writer 0's per-rank part for a rank that had no writer). Raises
         :class:`~ckpt_engine.NoCheckpointError` when nothing is committed (start fresh).
+        ``into``: the replicated part to fill in place (``Checkpointer.restore(into=...)``: a sharded
+        model's and optimizers' state, each rank reading its chunks); ``replicated`` is then a new
+        mapping of its entries (the same objects, filled) and the policy's.
         """
-        restored = self._open().restore(step)
+        restored = self._open().restore(step, into=None if into is None else {**into, "policy": None})
         own = restored.local
         if "policy" in restored.state:
             self.policy.load_state_dict(restored.state["policy"] or {})

@@ -1,0 +1,101 @@
+"""Real Lightning jobs for the tests: ``tests/lightning_worker.py`` runs, their outputs, and the
+fixture that runs every test under both Lightning distributions (shared by test_lightning.py and
+test_lightning_sharded.py: no test module imports another)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+WORKER = os.path.join(os.path.dirname(__file__), "lightning_worker.py")
+FLAVOURS = ("lightning", "pytorch_lightning")
+
+
+@pytest.fixture(scope="module", autouse=True, params=FLAVOURS)
+def flavour(request):
+    """Every test runs under both Lightning distributions (the jobs read ``LIGHTNING_PACKAGE``)."""
+    before = os.environ.get("LIGHTNING_PACKAGE")
+    os.environ["LIGHTNING_PACKAGE"] = request.param
+    yield request.param
+    if before is None:
+        os.environ.pop("LIGHTNING_PACKAGE", None)
+    else:
+        os.environ["LIGHTNING_PACKAGE"] = before
+
+
+def lightning_module(flavour):
+    """The trainer package of ``flavour``."""
+    import importlib
+
+    return importlib.import_module("lightning.pytorch" if flavour == "lightning" else "pytorch_lightning")
+
+
+def run(out, ckpt, *args, expect_rc=0) -> subprocess.CompletedProcess:
+    out.mkdir(exist_ok=True)
+    proc = subprocess.run([sys.executable, WORKER, str(out), str(ckpt), *args], capture_output=True, text=True,
+                          timeout=300, start_new_session=True)
+    if expect_rc is not None:
+        assert proc.returncode == expect_rc, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def seen(out, tag, rank) -> list[dict]:
+    with open(out / f"seen-{tag}-rank{rank}.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def final(out, tag) -> dict:
+    return torch.load(out / f"final-{tag}.pt", weights_only=True)
+
+
+def assert_bitwise(a, b):
+    for key in ("model",):
+        assert list(a[key]) == list(b[key])
+        for k in a[key]:
+            assert torch.equal(a[key][k], b[key][k]), k
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert sa.keys() == sb.keys()
+    for p in sa:
+        for k in sa[p]:
+            assert torch.equal(torch.as_tensor(sa[p][k]), torch.as_tensor(sb[p][k])), (p, k)
+    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+
+
+def killed_and_resumed(tmp_path, flags, kill_at: int, restorable, ref=None):
+    """Run the job of ``flags`` uninterrupted (into ``tmp_path/ref``, unless ``ref`` holds that run),
+    then SIGKILLed at step ``kill_at`` and resumed with the same command: the step restored is one
+    of ``restorable`` and the resumed run ends bitwise where the uninterrupted one did.
+    Returns ``(ref, restored step)``."""
+    from ckpt_engine import Checkpointer
+
+    if ref is None:
+        ref = tmp_path / "ref"
+        run(ref, ref / "ck", *flags, "--tag", "ref")
+    ck = tmp_path / "ck"
+    run(tmp_path, ck, *flags, "--kill-at", str(kill_at), "--tag", "killed", expect_rc=None)
+    restored = Checkpointer(str(ck)).latest_step()
+    assert restored in restorable
+    run(tmp_path, ck, *flags, "--tag", "resumed")
+    assert json.load(open(tmp_path / "resumed-resumed.json"))["resumed_from"] == restored
+    assert_bitwise(final(ref, "ref"), final(tmp_path, "resumed"))
+    return ref, restored
+
+
+def assert_epoch_resplit(out, first: str, before: int, after: int, restored: int, epoch: int, left: int,
+                         per_epoch: int) -> None:
+    """The interrupted ``epoch`` saw each of its 256 samples once: the run tagged ``first`` on ``before``
+    devices up to step ``restored``, the rest re-split among ``after`` devices (tag ``resumed``), each
+    of which ran the last ``left`` of the epoch's ``per_epoch`` batches, then two of the next epoch."""
+    ids = [i for rank in range(before) for row in seen(out, first, rank)
+           if row["epoch"] == epoch and row["step"] <= restored for i in row["ids"]]
+    ids += [i for rank in range(after) for row in seen(out, "resumed", rank) if row["epoch"] == epoch
+            for i in row["ids"]]
+    assert sorted(ids) == list(range(256))
+    for rank in range(after):
+        assert [(row["epoch"], row["batch"]) for row in seen(out, "resumed", rank)] == (
+            [(epoch, b) for b in range(per_epoch - left, per_epoch)] + [(epoch + 1, 0), (epoch + 1, 1)])
