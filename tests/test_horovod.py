@@ -394,7 +394,10 @@ def test_sigterm_takes_a_final_checkpoint_at_the_same_step_on_every_rank(tmp_pat
     # A scheduler may signal a single rank; horovodrun passes its own SIGTERM on to every rank.
     os.kill(rank_pid(job, 1) if target == "one-rank" else job.pid, signal.SIGTERM)
     out = finish(job, timeout=60, expect_rc=None)
-    assert job.returncode != 0, out
+    # A signalled rank ends the job with an error; horovodrun itself, once it has passed its SIGTERM on,
+    # exits 0 or not depending on which of its children it sees end first (racy: 0 seen once under
+    # load), so the launcher's own status is not the job's: only the checkpoint below is.
+    assert job.returncode != 0 or target == "launcher", out
     steps = committed_steps(tmp_path / "ck")
     assert len(steps) == 1 and 6 <= steps[0] < STEPS_PER_EPOCH * EPOCHS, out
     state, manifest = read_checkpoint(tmp_path / "ck")
