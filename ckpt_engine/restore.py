@@ -147,6 +147,15 @@ class Places:
         item = t.out.element_size()
         return memoryview(t.out.reshape(-1).view(torch.uint8).numpy())[at * item:(at + e.stop - e.start) * item]
 
+    def destination(self, e: IndexEntry) -> tuple[memoryview, torch.Tensor | None]:
+        """Where to read ``e``'s bytes: the target's own memory (``temp`` ``None``), or a new
+        temporary of the piece's size, to :meth:`scatter` from once verified."""
+        view = self.in_place(e)
+        if view is not None:
+            return view, None
+        temp = torch.empty(e.stop - e.start, dtype=parse_dtype(self.table[e.tensor].dtype))
+        return memoryview(temp.view(torch.uint8).numpy()), temp
+
     def scatter(self, e: IndexEntry, piece: torch.Tensor) -> None:
         """Copy the verified elements of ``e`` (``piece``, flat) into every target they meet."""
         for at, b in range_boxes(self.chunk(e), e.start, e.stop):
@@ -277,11 +286,7 @@ def _read_entries(storage: Storage, ck: Opened, jobs: Sequence[tuple[int, IndexE
             for rank, e in group:
                 if rank not in readers:
                     readers[rank] = storage.reader(f"{dirname}/{data_file(rank)}")
-                dest = places.in_place(e)
-                temp = None
-                if dest is None:
-                    temp = torch.empty(e.stop - e.start, dtype=parse_dtype(places.table[e.tensor].dtype))
-                    dest = memoryview(temp.view(torch.uint8).numpy())
+                dest, temp = places.destination(e)
                 readers[rank].read_into(e.offset, dest)
                 digest = xxhash.xxh3_64(dest)
                 padding = memoryview(bytearray(ends[rank][e] - e.offset - e.nbytes))

@@ -231,11 +231,7 @@ def _targets(idx: RankIndex, places: Places, local: Sequence[torch.Tensor] | Non
             dest = t.reshape(-1).view(torch.uint8).numpy()[e.start * t.element_size():e.stop * t.element_size()]
             out.append((e.offset, e.nbytes, dest, e, None))
         elif places.needed(e):
-            view = places.in_place(e)
-            temp = None
-            if view is None:
-                temp = torch.empty(e.stop - e.start, dtype=parse_dtype(places.table[e.tensor].dtype))
-                view = memoryview(temp.view(torch.uint8).numpy())
+            view, temp = places.destination(e)
             out.append((e.offset, e.nbytes, np.frombuffer(view, dtype=np.uint8), e, temp))
     return out
 
