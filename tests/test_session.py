@@ -176,3 +176,34 @@ def test_an_agreed_preemption_checkpoints_that_step_and_gives_the_signal_back(tm
     session.stop(job.step)
     assert ck.steps() == [3] and signal.getsignal(signal.SIGTERM) == previous
     session.close()
+
+
+def test_a_second_signal_during_the_final_checkpoint_does_not_interrupt_it(tmp_path):
+    """Under ``ddp_spawn`` a job-wide SIGTERM reaches a rank twice: the SIGTERM itself and, once the
+    launcher has died, the SIGINT torch's parent-death signal turns that into (on a loaded machine,
+    seconds later). The handlers the session took over stay its own until the final checkpoint is
+    committed, so the later notice cannot raise in the middle of it (seen: a run ended with no final
+    checkpoint in CI)."""
+    job = Job()
+
+    def interrupting(signum, frame):
+        raise KeyboardInterrupt("the handler the framework had")
+
+    before = signal.signal(signal.SIGTERM, interrupting)
+    try:
+        def capture():
+            os.kill(os.getpid(), signal.SIGTERM)  # the second notice, while the final checkpoint is taken
+            return job.capture()
+
+        session = TrainingSession(CheckpointConfig(path=str(tmp_path), every_n_steps=100), job.capture, name="test")
+        ck = session.start(LocalComm(), stop=SignalAgreement(None))
+        session.begin()
+        train(session, job, 2)
+        os.kill(os.getpid(), signal.SIGTERM)
+        train(session, job, 1)
+        assert session.preempted()
+        session.stop(job.step, capture)
+        assert ck.steps() == [3] and signal.getsignal(signal.SIGTERM) is interrupting
+        session.close()
+    finally:
+        signal.signal(signal.SIGTERM, before)

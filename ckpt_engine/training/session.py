@@ -183,14 +183,21 @@ class TrainingSession:
 
     # ---- the ways out -------------------------------------------------------------------------
     def stop(self, step: int, capture: Capture | None = None) -> None:
-        """After :meth:`preempted`, every rank: give the signals back, checkpoint ``step`` unless
-        it is saved, wait until it is committed. The front end then ends the run its way."""
-        if self._stop is not None:
-            self._stop.uninstall()
-        if self.last_saved != step:
-            self.take(step, capture)
-        self._open().wait()
-        self.report()
+        """After :meth:`preempted`, every rank: checkpoint ``step`` unless it is saved, wait until
+        it is committed, then give the signals back. The front end then ends the run its way.
+
+        The handlers stay the session's until the commit: a further notice (a scheduler's second
+        SIGTERM; under ``ddp_spawn`` the launcher's death arriving as SIGINT, seconds later on a
+        loaded machine) would otherwise reach the framework's handler and interrupt the final
+        checkpoint."""
+        try:
+            if self.last_saved != step:
+                self.take(step, capture)
+            self._open().wait()
+            self.report()
+        finally:
+            if self._stop is not None:
+                self._stop.uninstall()
 
     def finish(self, step: int, *, final: bool, capture: Capture | None = None) -> None:
         """Training ended normally, every rank: with ``final``, checkpoint ``step`` unless it is
