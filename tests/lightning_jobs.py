@@ -28,6 +28,33 @@ def flavour(request):
         os.environ["LIGHTNING_PACKAGE"] = before
 
 
+def one_distribution(flavour: str) -> None:
+    """Run this test once, under ``lightning``. What differs between the two distributions is which
+    classes the callback resolves (``SIGTERMException``, ``ModelCheckpoint``, the strategies, the
+    CLI) and how their hooks call it; the tests that reach those differences run under both (kill
+    and resume, SIGTERM on one and two ranks, an exception, ``ckpt_path``, ``ModelCheckpoint``
+    beside ours, LightningCLI and its configuration errors, the strategy checks); the longer
+    variations of the same code path (other loaders, levels, device counts, schedulers, sharded
+    strategies) run once, to keep the suite's time."""
+    if flavour != "lightning":
+        pytest.skip("the same code path as under the lightning distribution, where it runs")
+
+
+class References:
+    """Uninterrupted reference runs (40 steps, no interruption), one per DataLoader worker count,
+    each run the first time a test asks for it (a module fixture holds one per distribution)."""
+
+    def __init__(self, tmp_path_factory) -> None:
+        self._factory, self._runs = tmp_path_factory, {}
+
+    def __getitem__(self, workers: int):
+        if workers not in self._runs:
+            out = self._factory.mktemp(f"ref{workers}")
+            run(out, out / "ck", "--workers", str(workers), "--tag", "ref")
+            self._runs[workers] = out
+        return self._runs[workers]
+
+
 def lightning_module(flavour):
     """The trainer package of ``flavour``."""
     import importlib

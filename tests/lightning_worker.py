@@ -85,6 +85,11 @@ class Net(pl.LightningModule):
         if step == self.args.raise_at:  # every rank, right after the callbacks' hooks (a save just started)
             raise RuntimeError(f"injected failure at step {step}")
         if self.global_rank == 0 and step == self.args.kill_at:
+            # The checkpoints taken so far are committed first (rank 0 commits; the other ranks' files
+            # are written by their persist threads meanwhile): the tests expect the newest one, and on
+            # a loaded machine a commit can take longer than the steps between it and the kill (seen:
+            # step 16's commit still pending at step 22). Kills at any instant: test_crash.py.
+            next(c for c in self.trainer.callbacks if isinstance(c, AsyncShardedCheckpoint)).session.ck.wait()
             os.killpg(os.getpgid(0), signal.SIGKILL)  # the whole job, mid-epoch
         if self.global_rank == 0 and step == self.args.sigterm_at:
             if self.trainer.world_size > 1:

@@ -1,5 +1,6 @@
 """Crash at any instant: a 2-rank job is SIGKILLed at random instants during snapshot, persist,
-commit and retention, then restarted, 20 times per backend. Every restart must restore the
+commit and retention, then restarted, 20 times on local disk and 10 on S3 (moto: each restart
+costs ~10 s of start-up there). Every restart must restore the
 newest fully committed checkpoint bit for bit, never a torn one, and sweep the leftovers."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dist_worker import digest, make_state
 from ranks import kill_job, lines_of, next_line, start_ranks
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # processes killed at random instants
-KILLS = 20
+KILLS = {"local": 20, "s3": 10}
 
 
 @pytest.mark.parametrize("backend", ["local", "s3"])
@@ -27,7 +28,8 @@ def test_crash_at_any_instant(backend, tmp_path, request):
         root = str(tmp_path / "ck")
     rng = random.Random(20211)
     newest_committed, restored_ok = None, 0
-    for trial in range(KILLS + 1):
+    kills = KILLS[backend]
+    for trial in range(kills + 1):
         procs = start_ranks(2, ["crashloop", root, str(tmp_path)], {"KEEP_LAST": "2"})
         q = lines_of(procs[0])
         deadline = time.monotonic() + 120
@@ -37,7 +39,7 @@ def test_crash_at_any_instant(backend, tmp_path, request):
                 assert restored[2] == "ok", f"kill {trial}: restored step {restored[1]} is not what was saved"
                 assert int(restored[1]) >= newest_committed, (restored, newest_committed)
                 restored_ok += 1
-            if trial == KILLS:
+            if trial == kills:
                 break
             newest_committed = int(next_line(q, "committed", deadline).split()[1])
             delay = rng.uniform(0.0, 0.25)
@@ -51,9 +53,9 @@ def test_crash_at_any_instant(backend, tmp_path, request):
                     break
         finally:
             kill_job(procs)
-    print(f"\ncrash-at-any-instant [{backend}]: {restored_ok}/{KILLS} restarts restored the newest committed "
+    print(f"\ncrash-at-any-instant [{backend}]: {restored_ok}/{kills} restarts restored the newest committed "
           "checkpoint bit for bit")
-    assert restored_ok == KILLS
+    assert restored_ok == kills
     ck = Checkpointer(root, keep_last=2)  # a last restart: leftovers swept, only whole checkpoints remain
     latest = ck.latest_step()
     assert digest(ck.load()) == digest(make_state(latest))

@@ -15,21 +15,18 @@ from ckpt_engine import Checkpointer
 from ckpt_engine.format.catalog import committed
 from helpers import flip_local, proc_stat
 import lightning_jobs
-from lightning_jobs import (WORKER, assert_bitwise, assert_epoch_resplit, final, killed_and_resumed, lightning_module,
-                          run, seen)
+from lightning_jobs import (WORKER, References, assert_bitwise, assert_epoch_resplit, final, killed_and_resumed,
+                            lightning_module, one_distribution, run, seen)
 
-flavour = lightning_jobs.flavour  # autouse: every test runs under both Lightning distributions
+flavour = lightning_jobs.flavour  # autouse: both Lightning distributions (longer variations once: one_distribution)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # real training jobs, killed and resumed
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """The reference: 40 steps, no interruption, with 0 and 2 DataLoader workers."""
-    refs = {}
-    for workers in (0, 2):
-        out = tmp_path_factory.mktemp(f"ref{workers}")
-        run(out, out / "ck", "--workers", str(workers), "--tag", "ref")
-        refs[workers] = out
-    return refs
+    """The reference: 40 steps, no interruption, with 0 and 2 DataLoader workers (each run when first used)."""
+    return References(tmp_path_factory)
 
 
 def test_both_ranks_write_their_files_and_the_manifest_records_them(uninterrupted):
@@ -50,7 +47,9 @@ def test_both_ranks_write_their_files_and_the_manifest_records_them(uninterrupte
     (0, 8, 19, (16,)),  # step 16 is the last batch of epoch 0: the resume starts the next epoch
 ])
 def test_sigkill_mid_epoch_then_auto_resume_is_bitwise_identical(uninterrupted, tmp_path, workers, every, kill_at,
-                                                                   expected):
+                                                                   expected, flavour):
+    if (workers, every) != (0, 5):
+        one_distribution(flavour)
     ck = tmp_path / "ck"
     run(tmp_path, ck, "--workers", str(workers), "--every", str(every), "--kill-at", str(kill_at), "--tag", "killed",
         expect_rc=None)
@@ -73,9 +72,10 @@ def test_sigkill_mid_epoch_then_auto_resume_is_bitwise_identical(uninterrupted, 
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_stateful_dataloader_under_ddp_resumes_bitwise_and_exactly_once(tmp_path, workers):
+def test_stateful_dataloader_under_ddp_resumes_bitwise_and_exactly_once(tmp_path, workers, flavour):
     """torchdata's StatefulDataLoader: Lightning restores its state; under DDP its sampler is wrapped
     in DistributedSamplerWrapper and its RandomSampler draws from a generator of its own."""
+    one_distribution(flavour)
     ref, restored = killed_and_resumed(tmp_path, ["--stateful", "--workers", str(workers)], 23, (15, 20))
     for rank in (0, 1):
         before = [r for r in seen(tmp_path, "killed", rank) if r["epoch"] == 1 and r["step"] <= restored]
@@ -139,9 +139,10 @@ def test_sigterm_to_a_two_rank_ddp_spawn_job_commits_a_final_checkpoint_and_resu
         assert ids == [i for r in seen(uninterrupted[0], "ref", rank) if r["epoch"] == 1 for i in r["ids"]]
 
 
-def test_two_levels_from_the_callback_flush_and_log_their_figures(tmp_path):
+def test_two_levels_from_the_callback_flush_and_log_their_figures(tmp_path, flavour):
     """levels=[local, second] through the callback: both levels get committed checkpoints, flush
     figures land in figures.jsonl and the logger, and a resume reads them back."""
+    one_distribution(flavour)
     ck, level2 = tmp_path / "ck", tmp_path / "level2"
     run(tmp_path, ck, "--level2", str(level2), "--max-steps", "20", "--tag", "lv")
     assert Checkpointer(str(ck), readonly=True).steps()[-1] == 20
@@ -156,7 +157,8 @@ def test_two_levels_from_the_callback_flush_and_log_their_figures(tmp_path):
     assert json.load(open(tmp_path / "resumed-lv2.json"))["resumed_from"] == 20
 
 
-def test_resume_on_one_rank_from_a_two_rank_checkpoint(uninterrupted, tmp_path):
+def test_resume_on_one_rank_from_a_two_rank_checkpoint(uninterrupted, tmp_path, flavour):
+    one_distribution(flavour)
     ck = tmp_path / "ck"
     run(tmp_path, ck, "--max-steps", "20", "--tag", "two")
     run(tmp_path, ck, "--devices", "1", "--max-steps", "24", "--dump-restored", "--tag", "one")
@@ -168,12 +170,13 @@ def test_resume_on_one_rank_from_a_two_rank_checkpoint(uninterrupted, tmp_path):
 
 
 @pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
-def test_resumed_on_another_number_of_devices_each_remaining_sample_of_the_epoch_once(tmp_path, before, after):
+def test_resumed_on_another_number_of_devices_each_remaining_sample_of_the_epoch_once(tmp_path, before, after, flavour):
     """Killed mid-epoch on ``before`` devices, resumed on ``after``: the unseen rest of the interrupted
     epoch is re-split among the new devices (every sample of the epoch once, none twice), and
     Lightning's loop counts the new split, so the epoch ends exactly when the rest runs out and the
     next one is whole. One device: the single-device strategy (the loader's RandomSampler) when
     resumed on, DDP (a DistributedSampler) when the checkpoint's writer."""
+    one_distribution(flavour)
     one = ["--ddp-on-one"] if before == 1 else []
     ck = tmp_path / "ck"
     run(tmp_path, ck, "--devices", str(before), *one, "--kill-at", "23", "--tag", "killed", expect_rc=None)
@@ -282,7 +285,8 @@ def test_ckpt_path_last_restores_exactly_one_checkpoint_the_newer(tmp_path):
     assert f"not restoring this callback's newest checkpoint (step {ours}" in log, log[-3000:]
 
 
-def test_ckpt_path_last_older_than_ours_restores_ours_bitwise(uninterrupted, tmp_path):
+def test_ckpt_path_last_older_than_ours_restores_ours_bitwise(uninterrupted, tmp_path, flavour):
+    one_distribution(flavour)
     ck = tmp_path / "ck"
     run(tmp_path, ck, "--lightning-last", "13", "--kill-at", "23", "--tag", "killed", expect_rc=None)
     ours = Checkpointer(str(ck)).latest_step()
@@ -296,7 +300,8 @@ def test_ckpt_path_last_older_than_ours_restores_ours_bitwise(uninterrupted, tmp
     assert_bitwise(final(uninterrupted[0], "ref"), final(tmp_path, "last"))
 
 
-def test_explicit_ckpt_path_of_ours_with_resume_auto_reads_it_once(tmp_path):
+def test_explicit_ckpt_path_of_ours_with_resume_auto_reads_it_once(tmp_path, flavour):
+    one_distribution(flavour)
     ck = tmp_path / "ck"
     run(tmp_path, ck, "--max-steps", "12", "--tag", "first")
     newest = sorted(p for p in os.listdir(ck) if p.startswith("step-"))[-1]
@@ -305,7 +310,8 @@ def test_explicit_ckpt_path_of_ours_with_resume_auto_reads_it_once(tmp_path):
                                                                  "restores": 1}
 
 
-def test_resume_names_the_dead_runs_newer_lightning_checkpoints(tmp_path):
+def test_resume_names_the_dead_runs_newer_lightning_checkpoints(tmp_path, flavour):
+    one_distribution(flavour)
     ck = tmp_path / "ck"
     run(tmp_path, ck, "--lightning-last", "7", "--kill-at", "23", "--tag", "killed", expect_rc=None)
     proc = run(tmp_path, ck, "--lightning-last", "7", "--max-steps", "24", "--tag", "auto")
@@ -315,8 +321,10 @@ def test_resume_names_the_dead_runs_newer_lightning_checkpoints(tmp_path):
 
 
 @pytest.mark.parametrize("strategy", ["ddp_spawn", "ddp"])
-def test_an_exception_right_after_a_checkpoint_still_commits_it(tmp_path, strategy):
+def test_an_exception_right_after_a_checkpoint_still_commits_it(tmp_path, strategy, flavour):
     """Every rank raises right after the step-10 checkpoint started: fit() ends only once it is committed."""
+    if strategy == "ddp":
+        one_distribution(flavour)
     ck = tmp_path / "ck"
     proc = run(tmp_path, ck, "--strategy", strategy, "--raise-at", "10", "--tag", "raised", expect_rc=None)
     assert proc.returncode != 0 and "injected failure at step 10" in proc.stdout + proc.stderr
@@ -326,11 +334,12 @@ def test_an_exception_right_after_a_checkpoint_still_commits_it(tmp_path, strate
 
 
 @pytest.mark.parametrize("scheduler", ["plateau", "exp"])
-def test_epoch_schedulers_and_validation_across_a_resume_are_bitwise(tmp_path, scheduler):
+def test_epoch_schedulers_and_validation_across_a_resume_are_bitwise(tmp_path, scheduler, flavour):
     """Lightning steps no epoch-interval scheduler (ReduceLROnPlateau included) at the end of an epoch
     it restarted, and skips an epoch's end (validation, schedulers) entirely when restarted from its
     last batch. Resumed from our checkpoints, mid-epoch (step 20) and at an epoch's end (step 16),
     the run must match the uninterrupted one."""
+    one_distribution(flavour)
     flags = ["--val", "--scheduler", scheduler]
     ref = tmp_path / "ref"
     run(ref, ref / "ck", *flags, "--tag", "ref")
@@ -347,8 +356,9 @@ def test_epoch_schedulers_and_validation_across_a_resume_are_bitwise(tmp_path, s
         assert_bitwise(a, b)
 
 
-def test_resume_falls_back_past_a_checkpoint_whose_per_rank_section_is_damaged(tmp_path):
+def test_resume_falls_back_past_a_checkpoint_whose_per_rank_section_is_damaged(tmp_path, flavour):
     """Rank 1's per-rank section of the newest checkpoint is damaged: both ranks resume from the one before."""
+    one_distribution(flavour)
     ck = tmp_path / "ck"
     run(tmp_path, ck, "--max-steps", "20", "--tag", "first")
     newest = sorted(p for p in os.listdir(ck) if p.startswith("step-000000000020"))[-1]

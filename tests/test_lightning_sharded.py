@@ -15,20 +15,13 @@ import torch
 from ckpt_engine import Checkpointer
 from ckpt_engine.format.catalog import committed
 import lightning_jobs
-from lightning_jobs import assert_bitwise, assert_epoch_resplit, final, killed_and_resumed, run, seen
+from lightning_jobs import (assert_bitwise, assert_epoch_resplit, final, killed_and_resumed, one_distribution,
+                            run, seen)
 
 flavour = lightning_jobs.flavour  # autouse: every test runs under both Lightning distributions
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # real training jobs, killed and resumed
 FSDP2 = ("--strategy", "fsdp2")
-
-
-def one_distribution(flavour: str) -> None:
-    """The sharded path's own code is the same under both distributions (what differs, the classes
-    and hooks, is exercised by the reference, kill and exception tests under both): run the longer
-    jobs once, under ``lightning``, to keep the suite's time."""
-    if flavour != "lightning":
-        pytest.skip("the same sharded code path; run under the lightning distribution")
 
 
 @pytest.fixture(scope="module")
