@@ -3,6 +3,9 @@
 Flags (keyword arguments or YAML keys): ``path``, ``every_n_steps``, ``every_seconds``,
 ``overhead_budget``, ``max_interval``, ``keep_last``, ``levels``, ``storage_options``. The three
 triggers are mutually exclusive; ``max_interval`` ("at least every ... seconds") composes with any.
+``storage_options`` go to fsspec; the one the library reads too, ``max_concurrency`` (on S3: the
+parts of one file uploaded, or ranges of one read fetched, at once; s3fs's default 10), is checked
+here to be a positive integer.
 Validation happens here, once, with messages that echo the bad key or value. A front end's
 flags, over a YAML file or mapping, become one :class:`CheckpointConfig` in :func:`resolve_config`
 (one ``keep_last`` default, :data:`DEFAULT_KEEP_LAST`, for every front end).
@@ -103,6 +106,8 @@ def _level(entry: Any, i: int, options: Mapping[str, Any], keep_last: int | None
         raise ConfigError(f"{where}: 'path' must be a non-empty string (a directory or fsspec URL), got {path!r}")
     own = entry.get("storage_options")
     _check(own is None or isinstance(own, Mapping), f"{where}.storage_options", own, "a mapping")
+    _check_storage_options(options if own is None else own,
+                           "storage_options" if own is None else f"{where}.storage_options")
     level_keep = entry["keep_last"] if "keep_last" in entry else keep_last  # an explicit null keeps all
     _check(level_keep is None or (type(level_keep) is int and level_keep > 0), f"{where}.keep_last", level_keep,
            "a positive integer")
@@ -128,6 +133,7 @@ class CheckpointConfig:
             raise ConfigError("give exactly one of 'path' or 'levels' (the checkpoint location)")
         _check(isinstance(self.storage_options, Mapping), "storage_options", type(self.storage_options).__name__,
                "a mapping")
+        _check_storage_options(self.storage_options, "storage_options")
         _check(self.keep_last is None or (type(self.keep_last) is int and self.keep_last > 0), "keep_last",
                self.keep_last, "a positive integer")
         if self.levels is not None:
@@ -260,6 +266,14 @@ def _is_storage(x: object) -> bool:
     from .storage import Storage  # lazily: the schema itself does not need fsspec
 
     return isinstance(x, Storage)
+
+
+def _check_storage_options(options: Mapping[str, Any], where: str) -> None:
+    """The storage options the library reads itself: ``max_concurrency`` (S3 parts in flight per file)."""
+    if "max_concurrency" in options:
+        value = options["max_concurrency"]
+        _check(type(value) is int and value > 0, f"{where}.max_concurrency", value,
+               "a positive integer (on S3: the parts of one file sent, or ranges read, at once)")
 
 
 def _positive(x: object) -> bool:

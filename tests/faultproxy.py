@@ -14,6 +14,8 @@ import re
 import socket
 import threading
 
+from inflightproxy import Framed  # the same HTTP framing (requests here, both ways there)
+
 _503 = (b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nConnection: close\r\nContent-Length: 97\r\n\r\n"
         b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>\n\n\n\n\n\n")
 
@@ -99,7 +101,7 @@ class FaultProxy:
         matching request closes the connection after the reply (``Connection: close``): the
         client had read the responses of earlier requests before it sent this one.
         """
-        stream = _Stream(client, upstream)
+        stream = Framed(client, upstream)
         try:
             while (head := stream.head()) is not None:
                 answer = self._answer_for(head.split(b"\r\n", 1)[0])
@@ -107,7 +109,7 @@ class FaultProxy:
                     client.sendall(answer)
                     break
                 upstream.sendall(head)
-                stream.forward_body(head)
+                stream.body(head, lambda: None)
         except OSError:
             pass
         for s in (client, upstream):
@@ -133,56 +135,6 @@ def _read_headers(sock: socket.socket) -> None:
         if not chunk:
             return
         data += chunk
-
-
-class _Stream:
-    """The requests a client sends on one connection, parsed just enough to find where each ends."""
-
-    def __init__(self, client: socket.socket, upstream: socket.socket) -> None:
-        self.client, self.upstream, self.buf = client, upstream, b""
-
-    def _fill(self) -> bool:
-        chunk = self.client.recv(1 << 20)
-        self.buf += chunk
-        return bool(chunk)
-
-    def head(self) -> bytes | None:
-        """The next request line and headers; ``None`` when the client closed between requests."""
-        while b"\r\n\r\n" not in self.buf:
-            if not self._fill():
-                return None
-        end = self.buf.index(b"\r\n\r\n") + 4
-        head, self.buf = self.buf[:end], self.buf[end:]
-        return head
-
-    def forward_body(self, head: bytes) -> None:
-        """Send the body of the request ``head`` upstream as it arrives (length or chunked)."""
-        lower = head.lower()
-        if b"transfer-encoding: chunked" in lower:
-            while (size := int(self._line().split(b";")[0], 16)) > 0:
-                self._forward(size + 2)  # the chunk and its CRLF
-            while self._line() != b"\r\n":  # trailers, then the empty line
-                pass
-            return
-        m = re.search(rb"\r\ncontent-length:\s*(\d+)", lower)
-        self._forward(int(m.group(1)) if m else 0)
-
-    def _line(self) -> bytes:
-        while b"\r\n" not in self.buf:
-            if not self._fill():
-                raise OSError("client closed the connection inside a request")
-        end = self.buf.index(b"\r\n") + 2
-        line, self.buf = self.buf[:end], self.buf[end:]
-        self.upstream.sendall(line)
-        return line
-
-    def _forward(self, n: int) -> None:
-        while n > 0:
-            if not self.buf and not self._fill():
-                raise OSError("client closed the connection inside a request body")
-            piece, self.buf = self.buf[:n], self.buf[n:]
-            self.upstream.sendall(piece)
-            n -= len(piece)
 
 
 def _pipe(src: socket.socket, dst: socket.socket) -> None:

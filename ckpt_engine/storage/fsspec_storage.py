@@ -4,8 +4,14 @@ What the contract needs beyond plain fsspec calls:
 
 * durability: ``write_stream`` returns once the upload completed. A large file goes up as a
   multipart upload (S3) or staged blocks (Azure) in parts of ``_OBJECT_BLOCK``, completed only at
-  the end; a failed write is abandoned (:func:`_abandon`), so neither a crash nor an error leaves a
-  visible partial object. Parts of crashed writers are aborted at start (:meth:`abort_uploads`).
+  the end; a failed write is abandoned (S3: aborted, :mod:`.s3_parts`; others: :func:`_abandon`),
+  so neither a crash nor an error leaves a visible partial object. Parts of crashed writers are
+  aborted at start (:meth:`abort_uploads`).
+* concurrency (S3): the parts of a file go up, and a large read comes back as ranged GETs of
+  ``_READ_BLOCK``, ``max_concurrency`` at a time per write or read (s3fs's storage option,
+  default 10; see :mod:`.s3_parts`); botocore's connection pool (``max_pool_connections``, default
+  10) caps all of a client's requests together. Other backends write through an fsspec file, one
+  block at a time.
 * atomicity: ``write_atomic`` is one PUT, atomic by the protocol (there is no rename).
 * freshness: fsspec's listing caches (s3fs caches listings) are invalidated before every check.
 * transient errors (5xx, throttling, dropped connections) are retried for ``retry_deadline``
@@ -24,13 +30,17 @@ from typing import Any, Callable, TypeVar
 
 from ..errors import CheckpointWarning, StorageError
 from ..format import guard
-from . import poll
+from . import poll, s3_parts
 from .base import Chunks, Reader, Storage, _StorageErrors
 from .retry import is_not_implemented, retrying
 
 T = TypeVar("T")
 
 _OBJECT_BLOCK = 64 << 20
+"""Part (S3) or block (Azure) size of large uploads: S3 takes at most 10,000 parts of 5 MiB to 5 GiB."""
+_READ_BLOCK = 16 << 20
+"""Range of one GET when a large S3 read is split (a GET has no minimum; 8-16 MiB is AWS's advice)."""
+_S3 = {"s3", "s3a"}
 _NO_DIRECTORIES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "adl"}
 _NO_UPLOAD_LISTING: "weakref.WeakSet[Any]" = weakref.WeakSet()
 """Filesystems (equal when URL options are) whose server answered 501 to ListMultipartUploads."""
@@ -49,6 +59,13 @@ class FsspecStorage(Storage):
 
     def _attach(self, fs: Any, root: str) -> None:
         self.fs, self.root = fs, root.rstrip("/")
+        if self.protocol in _S3:
+            s3_parts.in_flight(fs, self.describe(""))  # a bad max_concurrency fails here, not at a save
+
+    @property
+    def parts_in_flight(self) -> int:
+        """S3: parts of one file sent, or ranges read, at once (the ``max_concurrency`` storage option)."""
+        return s3_parts.in_flight(self.fs, self.describe(""))
 
     def _reroot(self, root: str) -> None:
         self.root = root
@@ -68,6 +85,9 @@ class FsspecStorage(Storage):
     def write_stream(self, rel: str, chunks: Chunks, *, sync_dir: bool = True) -> int:
         if isinstance(chunks, collections.abc.Iterator):
             chunks = list(chunks)  # a retry writes them again
+        if self.protocol in _S3:
+            return self.run("write", rel, lambda: s3_parts.upload(
+                self.fs, self.path(rel), chunks, part_bytes=_OBJECT_BLOCK, in_flight=self.parts_in_flight))
 
         def write() -> int:
             written = 0
@@ -97,7 +117,7 @@ class FsspecStorage(Storage):
         self.run("remove", rel, rm)
 
     def abort_uploads(self) -> list[str]:
-        if self.protocol not in ("s3", "s3a") or self.fs in _NO_UPLOAD_LISTING:
+        if self.protocol not in _S3 or self.fs in _NO_UPLOAD_LISTING:
             return []
         bucket, _, prefix = self.root.partition("/")
         try:
@@ -197,10 +217,14 @@ class FsspecStorage(Storage):
 
 
 class FsspecReader(Reader):
-    """One ranged request per read (``cat_file``)."""
+    """One ranged request per read (``cat_file``); on S3, a read over ``_READ_BLOCK`` is split
+    into ranges fetched concurrently (:func:`.s3_parts.read_into`)."""
 
     def _read(self, offset: int, dest: memoryview) -> int:
         st: FsspecStorage = self._storage  # type: ignore[assignment]
+        if st.protocol in _S3 and len(dest) > _READ_BLOCK:
+            return s3_parts.read_into(st.fs, st.path(self._rel), offset, dest, part_bytes=_READ_BLOCK,
+                                      in_flight=st.parts_in_flight)
         data = st.fs.cat_file(st.path(self._rel), start=offset, end=offset + len(dest))
         dest[:len(data)] = data
         return len(data)
