@@ -79,6 +79,8 @@ class Checkpointer:
         commit_timeout: seconds rank 0 waits for every rank's files before failing the commit.
         read_threads: parallel reads per rank in ``load()``; default: this machine's cores
             divided among the ranks that share it (``LOCAL_WORLD_SIZE``, else the world size).
+        copy_threads: threads of a snapshot copy training waits for (CPU tensors; a deferred
+            copy uses one); default: as ``read_threads``.
         flush_retries: attempts per checkpoint and lower level before a flush failure is kept
             and raised by the next ``wait()`` / ``close()`` (each failure is counted in
             ``counters["flush_failed"]``; transient storage errors are retried below that).
@@ -93,7 +95,8 @@ class Checkpointer:
                  storage_options: dict[str, Any] | None = None, max_inflight: int = 1,
                  on_busy: Literal["wait", "skip"] = "wait", on_error: Literal["raise", "warn"] = "raise",
                  commit_timeout: float = 600.0,
-                 read_threads: int | None = None, flush_retries: int = 3, readonly: bool = False) -> None:
+                 read_threads: int | None = None, copy_threads: int | None = None, flush_retries: int = 3,
+                 readonly: bool = False) -> None:
         if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
             raise ValueError(f"keep_last must be a positive integer or None, got {keep_last!r}")
         if on_busy not in ("wait", "skip"):
@@ -102,6 +105,9 @@ class Checkpointer:
             raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
         if commit_timeout <= 0:
             raise ValueError(f"commit_timeout must be > 0, got {commit_timeout!r}")
+        for name, value in (("read_threads", read_threads), ("copy_threads", copy_threads)):
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
         if type(flush_retries) is not int or flush_retries < 1:
             raise ValueError(f"flush_retries must be a positive integer, got {flush_retries!r}")
         specs = level_specs(path, levels, storage_options, keep_last)
@@ -113,12 +119,13 @@ class Checkpointer:
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.on_busy, self.on_error = on_busy, on_error
         self.commit_timeout = commit_timeout
-        self.read_threads = read_threads or _default_read_threads(self.world_size)
+        self.read_threads = read_threads or _cores_per_rank(self.world_size)
+        self.copy_threads = copy_threads or _cores_per_rank(self.world_size)
         self._tally = Tally()
         self._dest = _open_destination(specs, self.comm, readonly, commit_timeout, flush_retries, self._tally)
         self.storage: Storage = self._dest.levels[0].storage
         self.keep_last: int | None = self._dest.levels[0].keep_last
-        self._snapshots = Snapshots(self.rank, self.world_size, max_inflight)
+        self._snapshots = Snapshots(self.rank, self.world_size, max_inflight, self.copy_threads)
         self._pool = self._snapshots.pool
         self._worker = PersistWorker(self.storage, self._pool, commit_timeout, self._persisted, tally=self._tally,
                                      keep_last=self.keep_last, make_room=self._dest.make_room)
@@ -421,7 +428,8 @@ def _open_destination(specs: Sequence[LevelSpec], comm: Comm, readonly: bool, co
     return MultiLevel(specs, comm, commit_timeout=commit_timeout, retries=flush_retries, tally=tally)
 
 
-def _default_read_threads(world_size: int) -> int:
-    """Cores per co-located rank, 1 to 4: more threads than cores only add contention."""
+def _cores_per_rank(world_size: int) -> int:
+    """Cores per co-located rank, 1 to 4 (read and copy threads): more threads than cores only add
+    contention, and past 4 a copy or a read is limited by memory or storage, not by a core."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     return max(1, min(4, (os.cpu_count() or 1) // max(1, local)))

@@ -1,10 +1,17 @@
 """Snapshot (phase 1): copy this rank's slices into a reused host buffer.
 
 This is the only part training waits for, so it does as little as possible: one ``memmove`` per
-slice on CPU (single-threaded and outside the GIL: ranks sharing a machine's cores do not fight
-over torch's intra-op thread pool, and the library never touches ``torch.set_num_threads``), or
-an asynchronous copy into pinned memory on a side CUDA stream, ordered by events (cuda_copy.py).
-The buffer's first bytes are the rank's data file layout, so persist writes them unchanged.
+piece on CPU, outside the GIL, or an asynchronous copy into pinned memory on a side CUDA stream,
+ordered by events (cuda_copy.py). The buffer's first bytes are the rank's data file layout, so
+persist writes them unchanged.
+
+While training waits for a CPU copy, the copy may use the cores the rank has: ``copy_threads``
+threads (the checkpointer's default: this machine's cores divided among the ranks sharing it, as
+for reads), each copying a run of consecutive pieces of about equal bytes. One thread copies at
+most about 20 GB/s on a server core and about 6 here, so a second one pays off on any copy of more
+than a few MiB. Never more threads than that: ranks sharing the cores would fight over them, and
+the library never touches ``torch.set_num_threads``. A deferred copy (``save(defer=True)``) runs
+beside training, so it stays on one thread.
 """
 
 from __future__ import annotations
@@ -193,6 +200,11 @@ class CopyPlan:
     devices: tuple[torch.device, ...]
     """The CUDA devices of the pieces (empty: all on CPU, no pinned memory)."""
 
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the CPU pieces."""
+        return sum(p.nbytes for p, _ in self.host)
+
 
 def plan_copy(pieces: Sequence[Piece], nbytes: int, state: Sequence[torch.Tensor],
               local: Sequence[torch.Tensor]) -> CopyPlan:
@@ -214,18 +226,60 @@ def plan_copy(pieces: Sequence[Piece], nbytes: int, state: Sequence[torch.Tensor
     return CopyPlan(tuple(host), tuple(direct), tuple(gathers), end if gathers else nbytes, tuple(devices))
 
 
-def copy_into(buf: HostBuffer, plan: CopyPlan, origin: Origin | None) -> CudaCopy | None:
-    """Copy every piece of ``plan`` into ``buf``.
+SPLIT_MIN = 8 << 20
+"""A CPU copy smaller than this stays on the calling thread (handing runs to other threads costs
+tens of microseconds)."""
+
+
+def runs(sizes: Sequence[int], parts: int) -> tuple[tuple[int, int], ...]:
+    """Cut ``sizes`` (bytes of consecutive pieces) into at most ``parts`` runs ``(start, stop)`` of
+    consecutive pieces with about equal byte sums: every piece in exactly one run, in order, no
+    empty run (fewer runs when there are fewer pieces than ``parts``)."""
+    total, n = sum(sizes), len(sizes)
+    parts = max(1, min(parts, n))
+    out, start, done = [], 0, 0
+    for k in range(1, parts):
+        goal, stop = total * k / parts, start
+        while stop < n - (parts - k) and (stop == start or done + sizes[stop] / 2 <= goal):
+            done += sizes[stop]
+            stop += 1
+        out.append((start, stop))
+        start = stop
+    out.append((start, n))
+    return tuple(out)
+
+
+def _copy_run(buf: HostBuffer, pieces: Sequence[tuple[Piece, torch.Tensor]]) -> float:
+    """``memmove`` each piece into ``buf`` (ctypes releases the GIL); the thread's CPU seconds."""
+    cpu = time.thread_time()
+    for p, src in pieces:
+        flat = _flat(src)
+        ctypes.memmove(buf.address + p.offset, flat.data_ptr() + p.start * flat.element_size(), p.nbytes)
+    return time.thread_time() - cpu
+
+
+def copy_into(buf: HostBuffer, plan: CopyPlan, origin: Origin | None,
+              helpers: ThreadPoolExecutor | None = None, threads: int = 1) -> tuple[CudaCopy | None, float]:
+    """Copy every piece of ``plan`` into ``buf``; with ``helpers`` and ``threads`` > 1 the CPU
+    pieces in up to ``threads`` runs, this thread taking the first. Returns the CUDA copy (or
+    ``None``) and the CPU seconds of the helper threads.
 
     On return the CPU pieces are in the buffer; CUDA pieces are queued on a side stream after
     ``origin`` (the caller's stream at ``save()``): ``buf.event`` (also returned) orders the
     training stream after them (``order()``) and lets persist wait for them (``synchronize()``).
     """
-    for p, src in plan.host:
-        flat = _flat(src)
-        ctypes.memmove(buf.address + p.offset, flat.data_ptr() + p.start * flat.element_size(), p.nbytes)
+    host, helper_cpu = plan.host, 0.0
+    if helpers is not None and threads > 1 and plan.host_bytes >= SPLIT_MIN:
+        cut = runs([p.nbytes for p, _ in host], threads)
+        futures = [helpers.submit(_copy_run, buf, host[a:b]) for a, b in cut[1:]]
+        try:
+            _copy_run(buf, host[cut[0][0]:cut[0][1]])
+        finally:
+            helper_cpu = sum(f.result() for f in futures)  # every run ended before the buffer is used
+    else:
+        _copy_run(buf, host)
     buf.event = queue(buf, plan.direct, plan.gathers, origin) if origin is not None else None
-    return buf.event
+    return buf.event, helper_cpu
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -237,11 +291,13 @@ class Snapshots:
     each state signature (cached), at most ``max_inflight`` host buffers (:attr:`pool`), and the
     copies into them: on the calling thread, or deferred to one background thread."""
 
-    def __init__(self, rank: int, world_size: int, max_inflight: int) -> None:
+    def __init__(self, rank: int, world_size: int, max_inflight: int, copy_threads: int = 1) -> None:
         self.rank, self.world_size = rank, world_size
+        self.copy_threads = copy_threads
         self.pool = BufferPool(max_inflight)
         self._layouts: dict[tuple, SaveLayout] = {}
         self._thread: ThreadPoolExecutor | None = None
+        self._helpers: ThreadPoolExecutor | None = None
 
     def plan(self, enc: Encoded, lenc: Encoded) -> tuple[SaveLayout, CopyPlan]:
         """The layout of this state signature and how this state's pieces are copied."""
@@ -258,25 +314,31 @@ class Snapshots:
         """Copy into ``buf`` now (CUDA: the caller's streams ordered after the copy), or, with
         ``defer``, on the background thread: its future is returned (see :class:`SaveHandle`)."""
         origin = capture(plan.devices)  # here, on the caller's thread: its current streams
-        if defer:
+        if defer:  # beside training: one thread
             if self._thread is None:
                 self._thread = ThreadPoolExecutor(1, thread_name_prefix="ckpt-snapshot")
             return self._thread.submit(_timed_copy, buf, plan, origin, record)
-        copy = _timed_copy(buf, plan, origin, record)
+        if self.copy_threads > 1 and self._helpers is None:
+            self._helpers = ThreadPoolExecutor(self.copy_threads - 1, thread_name_prefix="ckpt-copy")
+        copy = _timed_copy(buf, plan, origin, record, self._helpers, self.copy_threads)
         if copy is not None:
             copy.order()
         return None
 
     def close(self) -> None:
-        """After the last ``take``: end the background thread."""
-        if self._thread is not None:
-            self._thread.shutdown(wait=True)
+        """After the last ``take``: end the background threads."""
+        for pool in (self._thread, self._helpers):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._thread = self._helpers = None
 
 
-def _timed_copy(buf: HostBuffer, plan: CopyPlan, origin: Origin | None, record: SaveRecord) -> CudaCopy | None:
+def _timed_copy(buf: HostBuffer, plan: CopyPlan, origin: Origin | None, record: SaveRecord,
+                helpers: ThreadPoolExecutor | None = None, threads: int = 1) -> CudaCopy | None:
     start, cpu = time.perf_counter(), time.thread_time()
-    copy = copy_into(buf, plan, origin)
-    record.snapshot_s, record.snapshot_cpu_s = time.perf_counter() - start, time.thread_time() - cpu
+    copy, helper_cpu = copy_into(buf, plan, origin, helpers, threads)
+    record.snapshot_s = time.perf_counter() - start
+    record.snapshot_cpu_s = time.thread_time() - cpu + helper_cpu
     return copy
 
 

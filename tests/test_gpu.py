@@ -421,7 +421,7 @@ def test_plan_on_cpu_copies_on_the_host_and_captures_no_stream():
     assert len(plan.host) == 3
     assert capture(plan.devices) is None  # no CUDA tensor: no stream, no event
     buf = HostBuffer(plan.nbytes, pinned=False)
-    assert copy_into(buf, plan, None) is None and buf.event is None
+    assert copy_into(buf, plan, None) == (None, 0.0) and buf.event is None
     for p, t in zip(pieces, state):
         assert torch.equal(buf.tensor[p.offset:p.offset + p.nbytes].view(t.dtype), t.reshape(-1))
 
