@@ -186,6 +186,8 @@ class TimedModelCheckpoint(ModelCheckpoint):
         self.hook_s: dict[str, dict[int, float]] = {"batch_end": defaultdict(float), "before_opt": defaultdict(float),
                                                     "epoch_end": defaultdict(float)}
         self.save_steps: list[int] = []
+        self.cpu_ms: list[float] = []
+        """Training-thread CPU per checkpoint (``time.thread_time`` around ``_save_checkpoint``)."""
 
     def on_train_batch_end(self, trainer: "pl.Trainer", *args: Any, **kwargs: Any) -> None:
         t = time.perf_counter()
@@ -199,7 +201,9 @@ class TimedModelCheckpoint(ModelCheckpoint):
 
     def _save_checkpoint(self, trainer: "pl.Trainer", filepath: str) -> None:
         self.save_steps.append(trainer.global_step)
+        cpu = time.thread_time()
         super()._save_checkpoint(trainer, filepath)
+        self.cpu_ms.append((time.thread_time() - cpu) * 1e3)  # Lightning's dictionary + torch.save (or the clone)
 
 
 class TimedAsyncSharded(AsyncShardedCheckpoint):
@@ -266,6 +270,7 @@ class Timer(Callback):
         for cb in trainer.callbacks:
             if isinstance(cb, (TimedModelCheckpoint, TimedAsyncSharded)):
                 result["save_steps"] = list(cb.save_steps)
+                result["train_cpu_ms"] = list(getattr(cb, "cpu_ms", []))
                 result["hook_s"] = {h: {str(k): v for k, v in d.items()} for h, d in cb.hook_s.items()}
         with open(self.out, "w") as f:
             json.dump(result, f)
@@ -331,6 +336,9 @@ class RunResult:
     """:data:`WORK` of rank 0 during the fit, then ours' items (:func:`our_work`)."""
     foreign_cores: float = 0.0
     """CPU cores other processes kept busy during the fit, on average (noise indicator)."""
+    train_cpu_ms: list = field(default_factory=list)
+    """Per in-loop checkpoint: CPU the training thread spent on it (``time.thread_time``): ours'
+    ``train_cpu_ms`` from ``figures.jsonl``; ``ModelCheckpoint._save_checkpoint`` for Lightning's."""
 
     @property
     def n_ckpt(self) -> int:
@@ -401,6 +409,12 @@ def run(job: Job, c: Contender, workdir: str, rep: int = 0, slow_at_step: Option
     result = RunResult(c.name, c.kind, job.devices, job.steps, rep, res["loop_s"], res["durable_s"], res["marks"],
                        res["save_steps"], _stalls(res), figures, final_ms, SLOW["writes"] if slow_at_step else 0,
                        res.get("work", []) + our_work(figures), foreign)
+    if c.kind == "ours":
+        steps = set(res["save_steps"])
+        result.train_cpu_ms = [f["train_cpu_ms"] for f in figures
+                               if f.get("kind", "save") == "save" and f["step"] in steps and "train_cpu_ms" in f]
+    else:
+        result.train_cpu_ms = res.get("train_cpu_ms", [])
     shutil.rmtree(workdir, ignore_errors=True)
     return result
 

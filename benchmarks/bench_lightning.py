@@ -23,12 +23,21 @@ stall per checkpoint = time the training thread spent in the checkpoint callback
 timed by subclassing: ``on_train_batch_end`` of the step, plus, for ours, the wait in the next
 step's ``on_before_optimizer_step``), next to ours' own ``stall_ms`` from ``figures.jsonl``.
 
+Then (unless ``--model mlp``) a model nobody here wrote: Lightning's demo Transformer
+(``LightningTransformer``, 14.6 M parameters, with Adam: ~176 MB of state; synthetic tokens; one CPU
+device; 120 steps, a checkpoint every 10), one fresh process per fit, contenders alternated over 3
+rounds, each figure the minimum over the rounds: whole-process CPU time (``getrusage``, every
+thread, imports included) and fit wall time, with where the CPU went per checkpoint and per
+thread (``_transformer_job.py``, ``_transformer_bench.py``).
+
 Usage::
 
-    .venv/bin/python benchmarks/bench_lightning.py            # full run, about 3.5 minutes on a quiet machine
-    .venv/bin/python benchmarks/bench_lightning.py --quick    # smoke test, well under a minute
+    .venv/bin/python benchmarks/bench_lightning.py            # full run, about 10 minutes on a quiet machine
+    .venv/bin/python benchmarks/bench_lightning.py --model transformer --tf-threads 1   # the Transformer alone
+    .venv/bin/python benchmarks/bench_lightning.py --quick    # smoke test, about two minutes
 
-Outputs: ``benchmarks/out/bench_lightning.{md,json,png}``.
+Outputs: ``benchmarks/out/bench_lightning.{md,json,png}`` (``--model transformer``:
+``bench_lightning_transformer.{md,json}``).
 """
 
 from __future__ import annotations
@@ -47,6 +56,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _lightning_job import (Contender, Job, RunResult, Runner, base_step_s, drift_corrected, mean, median,  # noqa: E402
                             local_costs, step_times, warm_up)
+import _transformer_bench  # noqa: E402
+from _transformer_job import CONTENDERS as TF_CONTENDERS, TransformerJob  # noqa: E402
 
 TARGET_VS_PEER = 1 / 3
 """Issue target: our overhead at most a third of the best peer's at the same interval."""
@@ -105,6 +116,8 @@ def summarize(job: Job, results: list[RunResult], cs: list[Contender]) -> dict[s
             "engine_snapshot_ms": mean([f["snapshot_ms"] for f in figs]),
             "engine_persist_ms": mean([f["persist_ms"] for f in figs]),
             "final_ms": mean([r.final_save_ms for r in rs]) if c.kind == "ours" else math.nan,
+            "train_cpu_ms": mean([x for r in rs for x in r.train_cpu_ms]),
+            "train_cpu_steady_ms": mean([x for r in rs for x in r.train_cpu_ms[1:]]),
             "foreign_cores_max": max(r.foreign_cores for r in rs),
         }
         n = rows[c.name]["n_ckpt"]
@@ -188,9 +201,9 @@ def markdown(summaries: list[dict[str, Any]], config: dict[str, Any]) -> str:
                   f"iteration ≈ {s['iteration_ms']:.0f} ms, baseline spread {s['baseline_spread'] * 100:.1f} %", "",
                   "| configuration | loop s (median) | overhead vs none | per repetition | drift-corrected overhead "
                   "| to durable, overhead | checkpoints | cost per ckpt ms (wall / drift-corr. / local) "
-                  "| stall per ckpt ms (all / first / steady) | engine stall_ms "
-                  "| engine snapshot / persist ms | clean step ms | foreign load (max cores) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| stall per ckpt ms (all / first / steady) | training-thread CPU per ckpt ms (all / steady) "
+                  "| engine stall_ms | engine snapshot / persist ms | clean step ms | foreign load (max cores) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, r in s["rows"].items():
             per = ", ".join(f"{x * 100:+.1f}" for x in r["overhead_per_rep"])
             lines.append(
@@ -199,6 +212,7 @@ def markdown(summaries: list[dict[str, Any]], config: dict[str, Any]) -> str:
                 f"| {r['durable_overhead'] * 100:+.1f} % | {r['n_ckpt']:.0f} | {_f(r['cost_per_ckpt_ms'])} / "
                 f"{_f(r['dc_cost_per_ckpt_ms'])} / {_f(r['local_cost_ms'])} "
                 f"| {_f(r['stall_ms'])} / {_f(r['stall_first_ms'])} / {_f(r['stall_steady_ms'])} "
+                f"| {_f(r['train_cpu_ms'])} / {_f(r['train_cpu_steady_ms'])} "
                 f"| {_f(r['engine_stall_ms'])} | {_f(r['engine_snapshot_ms'])} / {_f(r['engine_persist_ms'])} "
                 f"| {r['clean_step_ms']:.1f} | {r['foreign_cores_max']:.2f} |")
         lines += ["", *verdicts(s), "",
@@ -234,6 +248,10 @@ def markdown(summaries: list[dict[str, Any]], config: dict[str, Any]) -> str:
         "(minus the median of the same hooks at steps without one); for ours it includes Lightning's "
         "`dump_checkpoint`, the RNG/buffer capture and the schedule's bookkeeping, which ours' own `stall_ms` "
         "(`Checkpointer.save` only) leaves out. First = the first checkpoint of a fit (buffer allocation).",
+        "- Training-thread CPU per checkpoint: `time.thread_time` on the training thread for the checkpoint: "
+        "ours' `train_cpu_ms` of `figures.jsonl` (Lightning's dictionary, encoding, its part of the copy), "
+        "`ModelCheckpoint._save_checkpoint` for Lightning's (its dictionary, then `torch.save` or "
+        "AsyncCheckpointIO's clone). Steady: without the first checkpoint of each fit.",
         "- Foreign load: CPU cores used by other processes during the fit (the machine is shared).",
         "",
     ]
@@ -304,9 +322,19 @@ def main() -> None:
                    help="wall-time budget: no waiting for a quiet machine or re-runs beyond it")
     p.add_argument("--quiet", type=float, default=0.3,
                    help="re-run a fit during which other processes used more cores than this (once)")
+    p.add_argument("--model", choices=("all", "mlp", "transformer"), default="all",
+                   help="the MLP sections, Lightning's demo Transformer, or both (default)")
+    p.add_argument("--tf-steps", type=int, default=120)
+    p.add_argument("--tf-every", type=int, default=10)
+    p.add_argument("--tf-rounds", type=int, default=3)
+    p.add_argument("--tf-threads", type=int, default=0,
+                   help="torch threads of the Transformer fits (0: torch's default, all cores)")
+    p.add_argument("--tf-contenders", default=",".join(TF_CONTENDERS),
+                   help=f"comma-separated, among {','.join(TF_CONTENDERS)} (none is always run)")
     a = p.parse_args()
     if a.quick:
         a.steps, a.reps, a.ddp_steps, a.ddp_reps = 30, 1, 20, 1
+        a.tf_steps, a.tf_rounds = 30, 1
     scratch = a.dir or tempfile.mkdtemp(prefix="bench_lightning-")
     workdir = os.path.join(scratch, "run")
     job = Job(steps=a.steps, batch=a.batch, hidden=a.hidden, threads=a.threads)
@@ -316,28 +344,54 @@ def main() -> None:
               "state_mib": job.state_mib(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
               "lightning": __import__("pytorch_lightning").__version__, "python": platform.python_version(),
               "quick": a.quick}
-    print(f"bench_lightning: {job.params() / 1e6:.2f} M params, {job.state_mib():.0f} MiB state, k={a.every}",
-          flush=True)
     runner = Runner(workdir, a.budget_s, quiet=a.quiet)
-    warm_up(job, workdir)
-    results = measure(runner, job, cs, a.reps)
-    summaries = [summarize(job, results, cs)]
-    if not a.no_ddp:
-        ddp = Job(steps=a.ddp_steps, batch=a.batch, hidden=a.hidden, devices=2, threads=1)
-        results_ddp = measure(runner, ddp, cs, a.ddp_reps)
-        summaries.append(summarize(ddp, results_ddp, cs))
-        results += results_ddp
+    summaries: list[dict[str, Any]] = []
+    results: list[RunResult] = []
+    if a.model in ("all", "mlp"):
+        print(f"bench_lightning: {job.params() / 1e6:.2f} M params, {job.state_mib():.0f} MiB state, k={a.every}",
+              flush=True)
+        warm_up(job, workdir)
+        results = measure(runner, job, cs, a.reps)
+        summaries = [summarize(job, results, cs)]
+        if not a.no_ddp:
+            ddp = Job(steps=a.ddp_steps, batch=a.batch, hidden=a.hidden, devices=2, threads=1)
+            results_ddp = measure(runner, ddp, cs, a.ddp_reps)
+            summaries.append(summarize(ddp, results_ddp, cs))
+            results += results_ddp
+    transformer: dict[str, Any] | None = None
+    if a.model in ("all", "transformer"):
+        transformer = run_transformer(a, workdir)
     config.update(elapsed_s=runner.elapsed(), waited_for_quiet_s=runner.waited_s, reruns=runner.reruns)
     os.makedirs(a.out, exist_ok=True)
-    text = markdown(summaries, config)
-    with open(os.path.join(a.out, "bench_lightning.md"), "w") as f:
+    name = "bench_lightning" if a.model != "transformer" else "bench_lightning_transformer"
+    text = markdown(summaries, config) if summaries else f"# bench_lightning, {a.model} only\n\n"
+    if transformer is not None:
+        text += "\n".join(_transformer_bench.markdown(transformer["summary"])) + "\n"
+    with open(os.path.join(a.out, f"{name}.md"), "w") as f:
         f.write(text)
-    with open(os.path.join(a.out, "bench_lightning.json"), "w") as f:
-        json.dump({"config": config, "summaries": summaries, "runs": [r.as_json() for r in results]}, f, indent=1)
-    plot(summaries, os.path.join(a.out, "bench_lightning.png"))
+    with open(os.path.join(a.out, f"{name}.json"), "w") as f:
+        json.dump({"config": config, "summaries": summaries, "runs": [r.as_json() for r in results],
+                   "transformer": transformer}, f, indent=1)
+    if summaries:
+        plot(summaries, os.path.join(a.out, "bench_lightning.png"))
     print(text)
-    print(f"elapsed {config['elapsed_s']:.0f} s (waited {runner.waited_s:.0f} s for a quiet machine, "
-          f"{runner.reruns} re-runs); wrote {a.out}/bench_lightning.{{md,json,png}}")
+    print(f"elapsed {runner.elapsed():.0f} s (waited {runner.waited_s:.0f} s for a quiet machine, "
+          f"{runner.reruns} re-runs); wrote {a.out}/{name}.{{md,json{',png' if summaries else ''}}}")
+
+
+def run_transformer(a: argparse.Namespace, workdir: str) -> dict[str, Any]:
+    """The demo Transformer section: alternated rounds of one fresh process per fit."""
+    chosen = [c.strip() for c in a.tf_contenders.split(",") if c.strip()]
+    unknown = [c for c in chosen if c not in TF_CONTENDERS]
+    if unknown:
+        raise SystemExit(f"--tf-contenders: unknown {unknown}; choose among {', '.join(TF_CONTENDERS)}")
+    contenders = ["none"] + [c for c in TF_CONTENDERS if c in chosen and c != "none"]
+    job = TransformerJob(steps=a.tf_steps, every=a.tf_every, threads=a.tf_threads)
+    print(f"bench_lightning: Lightning's demo Transformer, {a.tf_steps} steps, k={a.tf_every}, "
+          f"{a.tf_rounds} rounds of {', '.join(contenders)}", flush=True)
+    fits = _transformer_bench.measure(job, contenders, a.tf_rounds, workdir, quiet=a.quiet)
+    return {"summary": _transformer_bench.summarize(job, fits, contenders),
+            "fits": [{**r.as_json(), "foreign_cores": load} for r, load in fits]}
 
 
 if __name__ == "__main__":

@@ -108,6 +108,7 @@ def test_restore_brings_back_the_state_and_the_policy_and_no_final_checkpoint_re
     session.finish(job.step, final=True)
     session.close()
     assert [(r["kind"], r["step"], r["committed"]) for r in rows] == [("save", 2, True), ("save", 4, True)]
+    assert all(0 < r["train_cpu_ms"] < 10_000 for r in rows)  # the training thread's capture + encode + copy
 
     policy, other = Remembering(), Job(seed=1)
     again = TrainingSession(config, other.capture, name="test", policy=policy)

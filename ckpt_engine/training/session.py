@@ -28,6 +28,7 @@ front end captures the session adds the policy's state (replicated) and this ran
 
 from __future__ import annotations
 
+import time
 import warnings
 from typing import Any, Callable, Mapping
 
@@ -152,14 +153,19 @@ class TrainingSession:
     def take(self, step: int, capture: Capture | None = None, *, defer: bool = False) -> None:
         """Checkpoint ``step`` now, outside the schedule (a script's own save, a final one): this
         rank's share of the replicated part and its per-rank part are copied, then persisted in
-        the background. Every rank that takes part in the checkpoint, at the same step."""
+        the background. Every rank that takes part in the checkpoint, at the same step.
+
+        The training thread's CPU time for it (capture, encoding, its part of the copy) is the
+        figure row's ``train_cpu_ms``."""
         ck = self._open()
+        cpu = time.thread_time()
         state, local = self._envelope(capture)
         handle = ck.save(state, step, local, defer=defer)
+        train_cpu = time.thread_time() - cpu
         self._handle = handle if defer else None
         self.last_saved = step
         if ck.rank == 0 and ck.records and self._figures is not None:
-            self._figures.track(ck.records[-1])
+            self._figures.track(ck.records[-1], train_cpu)
 
     def before_update(self) -> None:
         """Before the weights change (the next optimizer step): the deferred copy, if any, ends."""

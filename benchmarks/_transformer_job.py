@@ -1,0 +1,329 @@
+"""Lightning's own demo Transformer, trained in a fresh process per fit, for ``bench_lightning``.
+
+The model is nobody's here: ``pytorch_lightning.demos.transformer.LightningTransformer`` (the
+``lightning.pytorch.demos`` one is the same code), 14.6 M parameters, with Adam instead of the
+demo's SGD (so the state is ~170 MB: parameters and two moments) and synthetic tokens instead of
+WikiText-2 (no download): a random token stream cut into ``block``-token samples exactly as the
+demo's ``WikiText2`` dataset cuts its text, loaded as the demo loads it (``DataLoader(dataset)``,
+batch 1, in order). One CPU device.
+
+Every fit runs in its own process (:func:`run_fit`), so the figures are whole-process ones:
+
+* ``process_cpu_s``: ``resource.getrusage(RUSAGE_SELF)`` at the end of the process, which counts
+  every thread, the ended ones included: start-up, imports (only the contender's own: ``none`` and
+  Lightning's checkpointing never import ``ckpt_engine``), set-up, the fit, the last writes;
+* ``fit_cpu_s`` / ``fit_wall_s``: the same CPU and ``time.perf_counter`` around ``trainer.fit``;
+* where the CPU went, by thread: the training (main) thread (``time.thread_time``), each Python
+  thread's own CPU when it ended (``threading.Thread.run`` is wrapped) or at the end (still alive:
+  ``/proc/self/task``), and the rest (native threads: torch's intra-op workers);
+* per checkpoint on the training thread: ``ModelCheckpoint._save_checkpoint`` timed with
+  ``time.thread_time`` (Lightning's dictionary, and ``torch.save`` or AsyncCheckpointIO's clone),
+  ours' ``train_cpu_ms`` from ``figures.jsonl`` (capture, encoding, its part of the copy), and the
+  CPU of Lightning's ``torch.save`` on whichever thread ran it;
+* per step: the wall time, main-thread CPU and process CPU at every step's end (the first
+  callback), from which ``_transformer_bench`` takes each checkpoint's local cost;
+* once: the CPU of importing ``lightning_ckpt`` (ours only).
+
+Bytecode: see :func:`child_env`.
+
+``python _transformer_job.py --contender ours --out result.json ...`` is one fit (the child).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+VOCAB = 33278
+"""The demo's default vocabulary (WikiText-2's)."""
+
+CONTENDERS = ("none", "mc_sync", "mc_async", "ours", "ours_pipe")
+
+
+@dataclass(frozen=True)
+class TransformerJob:
+    """The fit: ``steps`` optimizer steps of the demo model, a checkpoint every ``every`` steps."""
+
+    steps: int = 120
+    every: int = 10
+    block: int = 35
+    """Tokens per sample (the demo's ``WikiText2(block_size=35)``)."""
+    threads: int = 0
+    """``torch.set_num_threads``; 0 leaves torch's default (all cores), as the demo does."""
+    keep: int = 3
+    seed: int = 0
+
+
+@dataclass
+class FitResult:
+    """One fit's figures (see the module docstring)."""
+
+    contender: str
+    rep: int
+    process_cpu_s: float
+    process_wall_s: float
+    fit_cpu_s: float
+    fit_wall_s: float
+    main_cpu_s: float
+    threads_cpu_s: dict[str, float]
+    """CPU seconds by thread name (numbered pool threads folded into their pool's name)."""
+    n_ckpt: int
+    train_cpu_ms: list[float]
+    """Per in-loop checkpoint: CPU the training thread spent on it."""
+    torch_save: list[tuple[str, float, float]] = field(default_factory=list)
+    """Lightning's ``torch.save`` calls: (thread: "main" | "background", wall s, CPU s)."""
+    figures: list[dict[str, Any]] = field(default_factory=list)
+    """Ours: the rows of ``figures.jsonl``."""
+    params: int = 0
+    save_steps: list[int] = field(default_factory=list)
+    """The steps checkpointed inside the loop (none: the steps the others checkpoint, as a control)."""
+    marks: list[tuple[float, float, float]] = field(default_factory=list)
+    """At every step's ``on_train_batch_end`` (first callback, before any checkpoint of that step):
+    (``perf_counter``, main-thread CPU, process CPU), seconds."""
+    import_cpu_ms: float = 0.0
+    """CPU of importing the checkpointing code itself (ours: ``lightning_ckpt``; Lightning's is
+    imported with ``pytorch_lightning``, as in every contender)."""
+
+    @property
+    def other_cpu_s(self) -> float:
+        """Process CPU that is neither the main thread's nor a Python thread's (native threads)."""
+        return self.process_cpu_s - self.main_cpu_s - sum(self.threads_cpu_s.values())
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def child_env(pycache: str) -> dict[str, str]:
+    """The fits' environment: bytecode cached under ``pycache`` (outside the repository).
+
+    An installed package imports from compiled bytecode; a source checkout run with
+    ``PYTHONDONTWRITEBYTECODE`` (as here) would compile ``ckpt_engine`` and ``lightning_ckpt`` in
+    every fit (~0.1 s of CPU charged to ours alone). Warm the cache with :func:`warm_up`.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPYCACHEPREFIX"] = pycache
+    return env
+
+
+def warm_up(job: TransformerJob, workdir: str, pycache: str) -> None:
+    """Unmeasured short fits that import (and compile into ``pycache``) what every contender imports."""
+    short = TransformerJob(**{**asdict(job), "steps": 2 * job.every})
+    for contender in ("mc_async", "ours"):
+        run_fit(short, contender, workdir, pycache=pycache)
+
+
+def run_fit(job: TransformerJob, contender: str, workdir: str, rep: int = 0,
+            pycache: Optional[str] = None) -> FitResult:
+    """One fit of ``job`` under ``contender`` in a fresh process, in a fresh ``workdir`` (removed
+    after); ``pycache``: see :func:`child_env` (``None``: this process's environment)."""
+    if contender not in CONTENDERS:
+        raise ValueError(f"contender must be one of {CONTENDERS}, got {contender!r}")
+    shutil.rmtree(workdir, ignore_errors=True)
+    os.makedirs(workdir)
+    out = os.path.join(workdir, "result.json")
+    args = [sys.executable, os.path.abspath(__file__), "--contender", contender, "--out", out, "--dir", workdir,
+            "--steps", str(job.steps), "--every", str(job.every), "--block", str(job.block),
+            "--threads", str(job.threads), "--keep", str(job.keep), "--seed", str(job.seed)]
+    done = subprocess.run(args, cwd=workdir, capture_output=True, text=True,
+                          env=child_env(pycache) if pycache else None)
+    if done.returncode != 0 or not os.path.exists(out):
+        raise RuntimeError(f"the {contender} fit failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    with open(out) as f:
+        res = json.load(f)
+    shutil.rmtree(workdir, ignore_errors=True)
+    return FitResult(contender=contender, rep=rep, **res)
+
+
+# ---- the child: one fit ----------------------------------------------------------------------------
+_ENDED: dict[str, float] = {}
+"""CPU seconds of the Python threads that ended, by name (child process)."""
+
+
+def _pool_name(name: str) -> str:
+    """``ckpt-hash_0`` → ``ckpt-hash``, ``ThreadPoolExecutor-1_0`` → ``ThreadPoolExecutor``."""
+    base = name.rsplit("_", 1)[0] if name.rsplit("_", 1)[-1].isdigit() else name
+    return base.split("-")[0] if base.startswith("ThreadPoolExecutor-") else base
+
+
+def _count_thread_cpu() -> None:
+    """Wrap ``threading.Thread.run`` so that every Python thread adds its CPU to :data:`_ENDED` as it ends."""
+    original = threading.Thread.run
+
+    def run(self: threading.Thread) -> None:
+        try:
+            original(self)
+        finally:
+            name = _pool_name(self.name)
+            _ENDED[name] = _ENDED.get(name, 0.0) + time.thread_time()
+
+    threading.Thread.run = run  # type: ignore[method-assign]
+
+
+def _threads_cpu() -> dict[str, float]:
+    """CPU seconds of every Python thread but this one: ended ones, plus the live ones' so far."""
+    out = dict(_ENDED)
+    tick = os.sysconf("SC_CLK_TCK")
+    for t in threading.enumerate():
+        if t is threading.current_thread() or t.native_id is None:
+            continue
+        try:
+            with open(f"/proc/self/task/{t.native_id}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        name = _pool_name(t.name)
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _rusage_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _child(a: argparse.Namespace) -> None:
+    start = time.perf_counter()
+    _count_thread_cpu()
+    import logging
+    import warnings
+
+    import torch
+    import pytorch_lightning as pl
+    from pytorch_lightning.demos.transformer import LightningTransformer
+    from torch.utils.data import DataLoader, Dataset
+
+    for name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+
+    class SyntheticTokens(Dataset):
+        """A random token stream, cut as the demo's ``WikiText2`` cuts its text."""
+
+        def __init__(self, samples: int, block: int, seed: int) -> None:
+            g = torch.Generator().manual_seed(seed)
+            self.data = torch.randint(0, VOCAB, (samples * block + 1,), generator=g)
+            self.block = block
+
+        def __len__(self) -> int:
+            return (len(self.data) - 1) // self.block
+
+        def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+            start = index * self.block
+            return self.data[start:start + self.block], self.data[start + 1:start + self.block + 1]
+
+    class DemoTransformer(LightningTransformer):
+        """The demo model with Adam and synthetic tokens (no download in ``prepare_data``)."""
+
+        def prepare_data(self) -> None:
+            pass
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.model.parameters(), lr=1e-4)
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(SyntheticTokens(a.steps + 1, a.block, a.seed))
+
+    class Marks(pl.Callback):
+        """First callback: the time and CPU at every step's end."""
+
+        def __init__(self) -> None:
+            self.marks: list[tuple[float, float, float]] = []
+
+        def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+            self.marks.append((time.perf_counter(), time.thread_time(), _rusage_cpu()))
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    ckdir = os.path.join(a.dir, "ckpt")
+    marks = Marks()
+    callbacks: list[Any] = [marks]
+    import_cpu = 0.0
+    plugins: list[Any] = []
+    saves: list[float] = []
+    save_steps: list[int] = []
+    torch_save: list[tuple[str, float, float]] = []
+    if a.contender.startswith("mc"):
+        from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
+        from pytorch_lightning.callbacks import ModelCheckpoint
+
+        original_save = TorchCheckpointIO.save_checkpoint
+
+        def timed_save(*args: Any, **kwargs: Any) -> Any:
+            wall, cpu = time.perf_counter(), time.thread_time()
+            try:
+                return original_save(*args, **kwargs)
+            finally:
+                where = "main" if threading.current_thread() is threading.main_thread() else "background"
+                torch_save.append((where, time.perf_counter() - wall, time.thread_time() - cpu))
+
+        TorchCheckpointIO.save_checkpoint = timed_save  # type: ignore[method-assign]
+
+        class TimedModelCheckpoint(ModelCheckpoint):
+            def _save_checkpoint(self, trainer: Any, filepath: str) -> None:
+                save_steps.append(trainer.global_step)
+                cpu = time.thread_time()
+                super()._save_checkpoint(trainer, filepath)
+                saves.append((time.thread_time() - cpu) * 1e3)
+
+        callbacks.append(TimedModelCheckpoint(dirpath=ckdir, every_n_train_steps=a.every, monitor="step",
+                                              mode="max", save_top_k=a.keep))
+        if a.contender == "mc_async":
+            from pytorch_lightning.plugins.io import AsyncCheckpointIO
+            plugins.append(AsyncCheckpointIO())
+    elif a.contender.startswith("ours"):
+        cpu = _rusage_cpu()
+        from lightning_ckpt import AsyncShardedCheckpoint
+        import_cpu = _rusage_cpu() - cpu
+
+        callbacks.append(AsyncShardedCheckpoint(dirpath=ckdir, every_n_train_steps=a.every, keep_last=a.keep,
+                                                pipeline=a.contender == "ours_pipe"))
+    pl.seed_everything(a.seed, verbose=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=a.steps, callbacks=callbacks,
+                         plugins=plugins or None, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=a.contender.startswith("mc"),
+                         limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=a.dir)
+    model = DemoTransformer(vocab_size=VOCAB)
+    cpu0, wall0 = _rusage_cpu(), time.perf_counter()
+    trainer.fit(model)
+    fit_wall, fit_cpu = time.perf_counter() - wall0, _rusage_cpu() - cpu0
+    figures: list[dict[str, Any]] = []
+    path = os.path.join(ckdir, "figures.jsonl")
+    if os.path.exists(path):
+        with open(path) as f:
+            figures = [json.loads(line) for line in f if line.strip()]
+    rows = [r for r in figures if r.get("kind", "save") == "save" and r["step"] <= a.steps]
+    train_cpu = saves if a.contender.startswith("mc") else [r.get("train_cpu_ms", float("nan")) for r in rows]
+    if a.contender.startswith("ours"):
+        save_steps = [r["step"] for r in rows]
+    elif a.contender == "none":
+        save_steps = list(range(a.every, a.steps + 1, a.every))
+    result = {"process_cpu_s": _rusage_cpu(), "process_wall_s": time.perf_counter() - start,
+              "fit_cpu_s": fit_cpu, "fit_wall_s": fit_wall, "main_cpu_s": time.thread_time(),
+              "threads_cpu_s": _threads_cpu(), "n_ckpt": len(train_cpu), "train_cpu_ms": train_cpu,
+              "torch_save": torch_save, "figures": figures, "params": sum(p.numel() for p in model.parameters()),
+              "save_steps": save_steps, "marks": marks.marks, "import_cpu_ms": import_cpu * 1e3}
+    with open(a.out, "w") as f:
+        json.dump(result, f)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(description="One fit of Lightning's demo Transformer (a bench_lightning child).")
+    p.add_argument("--contender", choices=CONTENDERS, required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--dir", required=True)
+    for name, default in (("steps", 120), ("every", 10), ("block", 35), ("threads", 0), ("keep", 3), ("seed", 0)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    _child(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
