@@ -281,6 +281,8 @@ def bench_ours(r: Rank) -> dict[str, Metrics]:
     for key in ("stall_s", "total_s", "encode_s", "snapshot_s", "persist_s", "commit_s"):
         stats = summary([s[key] for s in steady])
         ours[key], ours[key.replace("_s", "_median_s")] = stats["min"], stats["median"]
+    paired = summary([s["stall_s"] / s["memcpy_s"] for s in steady])  # each save ÷ the memcpy just before it
+    ours["stall_paired_median"], ours["stall_paired_min"] = paired["median"], paired["min"]
     best = min(steady, key=lambda s: s["stall_s"])
     ours.update({f"best_{k}": v for k, v in best.items() if k not in ("share_bytes", "copy_end_at")})
     ours["best_rep"] = float(saves.index(best) + 1)
@@ -542,9 +544,10 @@ def headline(world: int, agg: dict[str, Metrics]) -> list[dict[str, Any]]:
     """The four targets of issue #16 as ratios of the slowest rank's figures, then informative ones."""
     ours, share, memcpy = agg["ours"], agg["ours"]["share_bytes"], agg["memcpy"]["stall_s"]
     peers = {p: agg[p] for p in PEERS if p in agg}
-    stall = ours["stall_s"] / memcpy
-    rows = [_row(world, "stall ÷ memcpy of the rank's shard (best of saves 2..N)", stall,
-                 f"ours {ours['stall_s'] * 1e3:.1f} ms, memcpy {memcpy * 1e3:.1f} ms", "≤ 1.10", stall <= 1.10)]
+    stall, paired = ours["stall_s"] / memcpy, ours["stall_paired_median"]
+    rows = [_row(world, "stall ÷ memcpy of the rank's shard (median over saves 2..N of each save ÷ the memcpy "
+                 "timed just before it)", paired, f"best-of ratio {stall:.2f}: ours {ours['stall_s'] * 1e3:.1f} ms, "
+                 f"memcpy {memcpy * 1e3:.1f} ms", "≤ 1.10", paired <= 1.10)]
     if "dcp_save" in peers:
         durable = ours["total_s"] / peers["dcp_save"]["total_s"]
         rows.append(_row(world, "time to durable ÷ synchronous DCP save", durable,
@@ -623,7 +626,10 @@ def profile_lines(worlds: dict[int, dict[str, Any]]) -> list[str]:
 
 
 NOTES = (
-    "Notes: ours = best of saves 2..N (the first, which allocates the snapshot buffer, is in the JSON), the "
+    "Notes: the stall target is the median, over saves 2..N, of each save's stall ÷ the memcpy timed just "
+    "before it on the same rank (on this shared machine the memcpy alone varies 2-3x from one rep to the next, "
+    "so a best-of ÷ best-of ratio mostly says which rep was lucky; it is shown beside it). "
+    "Ours = best of saves 2..N (the first, which allocates the snapshot buffer, is in the JSON), the "
     "memcpy limit and a raw O_DIRECT write+fsync timed next to each save; peers = best of their rounds, extra "
     "RSS from the first (cold) round. Restores: ours and DCP alternated, best round each, files evicted from "
     "the page cache first. Lightning = the calls `ModelParallelStrategy.save_checkpoint` makes (state "
@@ -683,7 +689,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument("--width", type=int, default=1024, help="model width d (blocks d -> 4d -> d; default 1024)")
     p.add_argument("--out", default=os.path.join(here, "out"), help="report directory (default benchmarks/out)")
     p.add_argument("--dir", default=None, help="where checkpoints go: a fresh temp dir inside it (default /tmp)")
-    p.add_argument("--reps", type=int, default=5, help="saves of ours per world size (default 5)")
+    p.add_argument("--reps", type=int, default=9, help="saves of ours per world size (default 9)")
     p.add_argument("--peer-reps", type=int, default=2, help="rounds of each peer, best kept (default 2)")
     p.add_argument("--restore-reps", type=int, default=3, help="restores of ours and of DCP, alternated (default 3)")
     p.add_argument("--solo-reps", type=int, default=3,
