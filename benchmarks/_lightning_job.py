@@ -52,6 +52,15 @@ from torch.utils.data import DataLoader, TensorDataset
 from ckpt_engine.storage import Storage
 from lightning_ckpt import AsyncShardedCheckpoint
 
+TARGET_VS_PEER = 1 / 3
+"""Issue target: our overhead at most a third of the best peer's at the same interval."""
+LABELS = {"none": "no checkpointing", "mc_sync": "ModelCheckpoint (sync torch.save)",
+          "mc_async": "ModelCheckpoint + AsyncCheckpointIO", "ours": "ours, pipeline=False",
+          "ours_pipe": "ours, pipeline=True"}
+"""The contenders of bench_lightning (MLP and Transformer sections alike), as the tables name them."""
+PEERS = ("mc_sync", "mc_async")
+OURS = ("ours", "ours_pipe")
+
 for _name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning.fabric"):
     logging.getLogger(_name).setLevel(logging.ERROR)
 warnings.filterwarnings("ignore", module="pytorch_lightning")

@@ -13,15 +13,9 @@ import os
 import tempfile
 from typing import Any, Callable
 
-from _lightning_job import CpuLoad, mean, median, wait_quiet
+from _lightning_job import LABELS, OURS, PEERS, TARGET_VS_PEER, CpuLoad, mean, median, wait_quiet
 from _transformer_job import TransformerJob, FitResult, run_fit, warm_up
 
-TARGET_VS_PEER = 1 / 3
-LABELS = {"none": "no checkpointing", "mc_sync": "ModelCheckpoint (sync torch.save)",
-          "mc_async": "ModelCheckpoint + AsyncCheckpointIO", "ours": "ours, pipeline=False",
-          "ours_pipe": "ours, pipeline=True"}
-PEERS = ("mc_sync", "mc_async")
-OURS = ("ours", "ours_pipe")
 
 
 def measure(job: TransformerJob, contenders: list[str], rounds: int, workdir: str, quiet: float = 0.3,

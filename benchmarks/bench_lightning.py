@@ -54,19 +54,11 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _lightning_job import (Contender, Job, RunResult, Runner, base_step_s, drift_corrected, mean, median,  # noqa: E402
-                            local_costs, step_times, warm_up)
+from _lightning_job import (LABELS, OURS, PEERS, TARGET_VS_PEER, Contender, Job, RunResult, Runner,  # noqa: E402
+                            base_step_s, drift_corrected, local_costs, mean, median, step_times, warm_up)
 import _transformer_bench  # noqa: E402
 from _transformer_job import CONTENDERS as TF_CONTENDERS, TransformerJob  # noqa: E402
 
-TARGET_VS_PEER = 1 / 3
-"""Issue target: our overhead at most a third of the best peer's at the same interval."""
-
-LABELS = {"none": "no checkpointing", "mc_sync": "ModelCheckpoint (sync torch.save)",
-          "mc_async": "ModelCheckpoint + AsyncCheckpointIO", "ours": "ours, pipeline=False",
-          "ours_pipe": "ours, pipeline=True"}
-PEERS = ("mc_sync", "mc_async")
-OURS = ("ours", "ours_pipe")
 
 
 def contenders(k: int) -> list[Contender]:
