@@ -14,27 +14,22 @@ import re
 import socket
 import threading
 
-from inflightproxy import Framed  # the same HTTP framing (requests here, both ways there)
+from inflightproxy import Framed, LoopbackProxy  # the same listener and HTTP framing (requests here, both ways there)
 
 _503 = (b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nConnection: close\r\nContent-Length: 97\r\n\r\n"
         b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>\n\n\n\n\n\n")
 
 
-class FaultProxy:
+class FaultProxy(LoopbackProxy):
     """Forward 127.0.0.1:<port> to ``target`` (host, port), failing connections on request."""
 
     def __init__(self, target: tuple[str, int]) -> None:
-        self.target = target
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.endpoint = f"http://127.0.0.1:{self.port}"
         self._lock = threading.Lock()
         self._remaining, self._how = 0, "503"
         self.injected = 0
         self._replies: list[tuple[re.Pattern[bytes], bytes]] = []
         self.replied = 0
-        self._closed = False
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(target)
 
     def fail(self, n: int, how: str = "503") -> None:
         with self._lock:
@@ -54,10 +49,6 @@ class FaultProxy:
         with self._lock:
             self._replies.append((re.compile(pattern.encode()), head + body))
 
-    def close(self) -> None:
-        self._closed = True
-        self.listener.close()
-
     def _take_fault(self) -> str | None:
         with self._lock:
             if self._remaining == 0:
@@ -66,14 +57,6 @@ class FaultProxy:
                 self._remaining -= 1
             self.injected += 1
             return self._how
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
 
     def _serve(self, client: socket.socket) -> None:
         fault = self._take_fault()

@@ -30,29 +30,49 @@ def kind_of(head: bytes) -> str | None:
     return None
 
 
-class InflightProxy:
-    """Forward 127.0.0.1:<port> to ``target`` (host, port), counting requests in flight by kind."""
+class LoopbackProxy:
+    """Listen on 127.0.0.1:<port> for ``target`` (host, port); each connection goes to ``_serve``
+    on a thread of its own. Subclasses set their state, then call ``super().__init__``."""
 
     def __init__(self, target: tuple[str, int]) -> None:
         self.target = target
         self.listener = socket.create_server(("127.0.0.1", 0))
-        self.endpoint = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.port = self.listener.getsockname()[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self._closed = True
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        raise NotImplementedError
+
+
+class InflightProxy(LoopbackProxy):
+    """Forward 127.0.0.1:<port> to ``target`` (host, port), counting requests in flight by kind."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
         self._lock = threading.Lock()
         self.now: collections.Counter[str] = collections.Counter()
         self.peak: collections.Counter[str] = collections.Counter()
         self.total: collections.Counter[str] = collections.Counter()
-        self._closed = False
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(target)
 
     def reset(self) -> None:
         """Forget the peaks and totals (what is in flight now stays counted)."""
         with self._lock:
             self.peak.clear()
             self.total.clear()
-
-    def close(self) -> None:
-        self._closed = True
-        self.listener.close()
 
     def _enter(self, kind: str) -> None:
         with self._lock:
@@ -63,14 +83,6 @@ class InflightProxy:
     def _leave(self, kind: str) -> None:
         with self._lock:
             self.now[kind] -= 1
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
 
     def _serve(self, client: socket.socket) -> None:
         upstream = socket.create_connection(self.target)
