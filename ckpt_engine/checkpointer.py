@@ -41,6 +41,7 @@ from .levels.flush import FlushRecord
 from .levels.multilevel import MultiLevel
 from .persist import PersistJob, PersistWorker, SaveRecord
 from .restore_agreed import Loaded, Restored
+from .restore_exchange import Exchange, RestoreFigures
 from .single_level import SingleLevel
 from .snapshot import SaveHandle, Snapshots
 from .storage import Storage
@@ -81,6 +82,11 @@ class Checkpointer:
             divided among the ranks that share it (``LOCAL_WORLD_SIZE``, else the world size).
         copy_threads: threads of a snapshot copy training waits for (CPU tensors; a deferred
             copy uses one); default: as ``read_threads``.
+        restore_route: how ``restore()`` on several ranks gets the replicated state's large
+            pieces: ``"read"`` (every rank reads all of them from storage), ``"exchange"`` (each
+            rank reads 1/N and the communicator brings the rest), or ``"auto"`` (the default:
+            both measured at the first restore, the faster kept; see ``restore_figures``). The
+            same on every rank.
         flush_retries: attempts per checkpoint and lower level before a flush failure is kept
             and raised by the next ``wait()`` / ``close()`` (each failure is counted in
             ``counters["flush_failed"]``; transient storage errors are retried below that).
@@ -96,7 +102,7 @@ class Checkpointer:
                  on_busy: Literal["wait", "skip"] = "wait", on_error: Literal["raise", "warn"] = "raise",
                  commit_timeout: float = 600.0,
                  read_threads: int | None = None, copy_threads: int | None = None, flush_retries: int = 3,
-                 readonly: bool = False) -> None:
+                 readonly: bool = False, restore_route: Literal["auto", "read", "exchange"] = "auto") -> None:
         if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
             raise ValueError(f"keep_last must be a positive integer or None, got {keep_last!r}")
         if on_busy not in ("wait", "skip"):
@@ -121,6 +127,7 @@ class Checkpointer:
         self.commit_timeout = commit_timeout
         self.read_threads = read_threads or _cores_per_rank(self.world_size)
         self.copy_threads = copy_threads or _cores_per_rank(self.world_size)
+        self._exchange = Exchange(self.comm, restore_route)
         self._tally = Tally()
         self._dest = _open_destination(specs, self.comm, readonly, commit_timeout, flush_retries, self._tally)
         self.storage: Storage = self._dest.levels[0].storage
@@ -139,14 +146,14 @@ class Checkpointer:
     @classmethod
     def from_config(cls, config: CheckpointConfig, *, comm: Comm | None = None, **kwargs: Any) -> "Checkpointer":
         """The checkpointer a validated :class:`CheckpointConfig` describes (``path`` or ``levels``,
-        ``keep_last``, ``storage_options``); ``kwargs`` are the other constructor arguments
+        ``keep_last``, ``storage_options``, ``restore_route``); ``kwargs`` are the other constructor arguments
         (``max_inflight``, ``on_busy``, ``on_error``, ``commit_timeout``, ``flush_retries`` ...).
 
         What the front ends call, so that ``levels`` works from YAML in all of them.
         """
         where = {"levels": config.levels} if config.levels is not None else {"path": config.path}
         return cls(**where, comm=comm, keep_last=config.keep_last, storage_options=dict(config.storage_options),
-                   **kwargs)
+                   restore_route=config.restore_route, **kwargs)  # type: ignore[arg-type]
 
     # ---- figures ------------------------------------------------------------------------------
     @property
@@ -338,7 +345,8 @@ class Checkpointer:
         ``into``: fill that state in place (see :meth:`load`); ``state`` is then ``into``.
         """
         self.load_failures = []
-        state, loaded = self._dest.restore(step, fallback, self.read_threads, self.load_failures, into)
+        state, loaded = self._dest.restore(step, fallback, self.read_threads, self.load_failures, into,
+                                           self._exchange)
         self._loaded = loaded
         m = loaded.manifest
         return Restored(m.step, loaded.opened.dirname, state, loaded.local(self.rank), loaded.local(0), m,
@@ -347,6 +355,12 @@ class Checkpointer:
     def busy(self) -> bool:
         """Whether a snapshot is still being persisted (policies count its contention)."""
         return not self._pool.idle()
+
+    @property
+    def restore_figures(self) -> RestoreFigures | None:
+        """What this rank's last exchanging ``restore()`` did: the route taken, bytes read and
+        received, seconds, and ``auto``'s measurement (``None`` until a restore exchanged)."""
+        return self._exchange.figures
 
     @property
     def loaded_manifest(self) -> Manifest | None:

@@ -101,6 +101,19 @@ class TorchDistComm:
         self._dist.all_gather(out, padded, group=self._group)
         return [o[: int(s.item())].cpu() for o, s in zip(out, sizes)]
 
+    def broadcast_tensor(self, data: torch.Tensor, src: int) -> None:
+        """``src``'s bytes into ``data`` (a contiguous CPU tensor, the same size on every rank), in place.
+
+        Optional in :class:`Comm`: a collective restore sends the pieces each rank read to the
+        others with it (restore_exchange.py). With NCCL the bytes go through the current device.
+        """
+        if self._device.type == "cpu":
+            self._dist.broadcast(data, self._global(src), group=self._group)
+            return
+        staged = data.to(self._device)
+        self._dist.broadcast(staged, self._global(src), group=self._group)
+        data.copy_(staged.cpu())
+
     def _global(self, rank: int) -> int:
         return rank if self._group is None else self._dist.get_global_rank(self._group, rank)
 

@@ -1,7 +1,9 @@
 """The one configuration schema shared by the Lightning callback and the Horovod hook.
 
 Flags (keyword arguments or YAML keys): ``path``, ``every_n_steps``, ``every_seconds``,
-``overhead_budget``, ``max_interval``, ``keep_last``, ``levels``, ``storage_options``. The three
+``overhead_budget``, ``max_interval``, ``keep_last``, ``levels``, ``storage_options``,
+``restore_route`` (``auto``, ``read`` or ``exchange``: how a restore on several ranks gets the
+replicated state, see ``ckpt_engine.restore_exchange``). The three
 triggers are mutually exclusive; ``max_interval`` ("at least every ... seconds") composes with any.
 ``storage_options`` go to fsspec; the one the library reads too, ``max_concurrency`` (on S3: the
 parts of one file uploaded, or ranges of one read fetched, at once; s3fs's default 10), is checked
@@ -127,6 +129,7 @@ class CheckpointConfig:
     keep_last: int | None = None
     levels: tuple[LevelSpec, ...] | None = None
     storage_options: Mapping[str, Any] = field(default_factory=dict)
+    restore_route: str = "auto"
 
     def __post_init__(self) -> None:
         if (self.path is None) == (self.levels is None):
@@ -141,6 +144,8 @@ class CheckpointConfig:
                                                             keep_last=self.keep_last, allow_storage=True))
         elif not _is_storage(self.path) and (not isinstance(self.path, str) or not self.path):
             raise ConfigError(f"'path' must be a non-empty string (or, in code, a Storage), got {self.path!r}")
+        _check(self.restore_route in ("auto", "read", "exchange"), "restore_route", self.restore_route,
+               "one of 'auto', 'read', 'exchange'")
         triggers = [k for k in ("every_n_steps", "every_seconds", "overhead_budget") if getattr(self, k) is not None]
         if len(triggers) > 1:
             raise ConfigError(f"{' and '.join(triggers)} are mutually exclusive: choose one trigger "

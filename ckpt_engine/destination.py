@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from .levels.open import Level
     from .persist import PersistJob
     from .restore_agreed import Loaded
+    from .restore_exchange import Exchange
 
 
 class Destination(Protocol):
@@ -98,8 +99,9 @@ class Destination(Protocol):
         ...
 
     def restore(self, step: int | None, fallback: bool, threads: int, failures: list[str],
-                into: Any = None) -> tuple[Any, Loaded]:
-        """``Checkpointer.restore()``, every rank together: the same, verified on every rank."""
+                into: Any = None, exchange: Exchange | None = None) -> tuple[Any, Loaded]:
+        """``Checkpointer.restore()``, every rank together: the same, verified on every rank
+        (``exchange``: the route of the replicated state's large pieces, restore_exchange.py)."""
         ...
 
     def open_newest(self) -> Loaded:

@@ -1,9 +1,9 @@
 """Restore: read a committed checkpoint back, verifying every byte on the way.
 
 Every rank reads what it needs directly from storage (the whole replicated state, which it
-reassembles from all writers' slices, whatever the writers' world size): on one machine the
-reads come from the page cache and beat a read-then-broadcast; the choice is measured in
-``benchmarks/bench_save.py``. Each piece is read straight into the destination tensor's memory
+reassembles from all writers' slices, whatever the writers' world size); a collective restore
+on several ranks may instead read a share per rank and exchange the rest (restore_exchange.py,
+measured in ``benchmarks/bench_save.py``). Each piece is read straight into the destination tensor's memory
 (``preadv`` on local files) when its elements are one run there, then hashed in place; otherwise
 (a chunk of another sharding, a CUDA target) into a temporary of the piece's size, hashed, and
 copied box by box into every target it meets (:class:`Places`). Files are read in parallel
@@ -191,7 +191,7 @@ def read_targets(storage: Storage, ck: Opened, targets: Sequence[Target], thread
     places = Places(ck.manifest.tensors, targets)
     jobs = [(idx.rank, e) for idx in ck.indexes for e in idx.entries if not e.local and places.needed(e)]
     names = [tensor_name(t, i) for i, t in enumerate(ck.manifest.tensors)]
-    _read_entries(storage, ck, jobs, places, names, threads, progress)
+    read_entries(storage, ck, jobs, places, names, threads, progress)
 
 
 def read_local(storage: Storage, ck: Opened, rank: int, progress: Progress | None = None) -> object:
@@ -208,7 +208,7 @@ def read_local(storage: Storage, ck: Opened, rank: int, progress: Progress | Non
     if sum(covered) != len(metas):
         raise FormatError(f"{storage.describe(f'{ck.dirname}/{index_file(rank)}')}: local tensors missing")
     names = [f"local {tensor_name(t, i)}" for i, t in enumerate(metas)]
-    _read_entries(storage, ck, jobs, Places(metas, targets), names, 2, progress)
+    read_entries(storage, ck, jobs, Places(metas, targets), names, 2, progress)
     return decode(idx.local, lambda i: targets[i].out, count=len(targets),
                   where=storage.describe(f"{ck.dirname}/{index_file(rank)}"))
 
@@ -238,7 +238,7 @@ def tensor_reader(storage: Storage, ck: Opened, threads: int = 4,
     def read(i: int) -> torch.Tensor:
         meta = ck.manifest.tensors[i]
         target = Target(i, full_box(meta.shape), _empty(meta))
-        _read_entries(storage, ck, jobs[i], Places(ck.manifest.tensors, [target]), {i: tensor_name(meta, i)},
+        read_entries(storage, ck, jobs[i], Places(ck.manifest.tensors, [target]), {i: tensor_name(meta, i)},
                       threads, progress, ends)
         return target.out
 
@@ -257,6 +257,8 @@ def _numel(t: TensorEntry) -> int:
 
 
 def _empty(t: TensorEntry) -> torch.Tensor:
+    # 4 KiB pages, not hugepages.empty: reading a cold file into huge pages was 2.9 x slower here
+    # (median 1.86 s against 0.65 s per GiB), though 1.8 x faster from the page cache.
     return torch.empty(t.shape, dtype=parse_dtype(t.dtype))
 
 
@@ -264,21 +266,34 @@ def _extents_by_rank(ck: Opened) -> dict[int, dict[IndexEntry, int]]:
     return {idx.rank: dict(zip(idx.entries, extents(idx.entries, idx.data_bytes))) for idx in ck.indexes}
 
 
-def _read_entries(storage: Storage, ck: Opened, jobs: Sequence[tuple[int, IndexEntry]], places: Places,
+def split_by_bytes(sizes: Sequence[int], parts: int) -> list[int]:
+    """The part (``0 <= p < parts``) of each item, in order: consecutive runs of about equal bytes.
+
+    Non-decreasing, so every part is one run of consecutive items; an item goes to the part its
+    first byte falls in, so no part ends more than one item beyond its equal share.
+    """
+    total = sum(sizes) or 1
+    out, done = [], 0
+    for n in sizes:
+        out.append(min(parts - 1, done * parts // total))
+        done += n
+    return out
+
+
+def read_entries(storage: Storage, ck: Opened, jobs: Sequence[tuple[int, IndexEntry]], places: Places,
                   names: Sequence[str] | Mapping[int, str], threads: int, progress: Progress | None = None,
-                  ends: dict[int, dict[IndexEntry, int]] | None = None) -> None:
+                  ends: dict[int, dict[IndexEntry, int]] | None = None,
+                  keep: dict[tuple[int, IndexEntry], torch.Tensor] | None = None) -> None:
     """Read and verify every entry (and its padding), in up to ``threads`` groups of about equal
-    bytes, into its place (``places``)."""
+    bytes, into its place (``places``); ``keep`` receives the verified temporary of each piece
+    that was not read in place (restore_exchange.py sends it on)."""
     dirname = ck.dirname
     ends = _extents_by_rank(ck) if ends is None else ends
     ordered = sorted(jobs, key=lambda j: (j[0], j[1].offset))
     workers = max(1, min(threads, len(ordered), os.cpu_count() or 1))
-    total = sum(e.nbytes for _, e in ordered) or 1
     groups: list[list[tuple[int, IndexEntry]]] = [[] for _ in range(workers)]
-    done = 0
-    for job in ordered:
-        groups[min(workers - 1, done * workers // total)].append(job)
-        done += job[1].nbytes
+    for job, group in zip(ordered, split_by_bytes([e.nbytes for _, e in ordered], workers)):
+        groups[group].append(job)
 
     def read_group(group: list[tuple[int, IndexEntry]]) -> None:
         readers: dict[int, Reader] = {}
@@ -299,6 +314,8 @@ def _read_entries(storage: Storage, ck: Opened, jobs: Sequence[tuple[int, IndexE
                         f"{names[e.tensor]} ({_elements(e)} at byte {e.offset})")
                 if temp is not None:
                     places.scatter(e, temp)
+                    if keep is not None:
+                        keep[(rank, e)] = temp
                 if progress is not None:
                     progress(e.nbytes)
         finally:

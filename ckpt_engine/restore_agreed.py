@@ -29,6 +29,7 @@ from .format.manifest import Manifest
 from .progress import Bar
 from .progress import wanted as progress_wanted
 from .restore import Opened, Progress, open_checkpoint, read_local, read_state
+from .restore_exchange import Exchange, PeerFailed
 from .storage import Storage
 
 
@@ -85,21 +86,30 @@ def local_ranks(rank: int, writers: int) -> list[int]:
 
 
 def read_for_rank(storage: Storage, ck: Opened, rank: int, threads: int,
-                  progress: Progress | None = None, into: Any = None) -> tuple[Any, dict[int, Any]]:
+                  progress: Progress | None = None, into: Any = None,
+                  exchange: Exchange | None = None) -> tuple[Any, dict[int, Any]]:
     """The replicated state of ``ck`` (or ``into`` filled from it: restore_into.py) and the ``local``
     of every writer in :func:`local_ranks`, each verified; raises :class:`CorruptionError` or
-    :class:`FormatError` naming the file otherwise."""
-    state = read_state(storage, ck, threads, progress, into)
+    :class:`FormatError` naming the file otherwise. ``exchange``: every rank calls this together,
+    and the state's large pieces are read once across the ranks and exchanged when that route
+    applies (restore_exchange.py)."""
+    if exchange is not None and exchange.applies(into):
+        state = exchange.read_state(storage, ck, threads, progress)
+    else:
+        state = read_state(storage, ck, threads, progress, into)
     return state, {r: read_local(storage, ck, r) for r in local_ranks(rank, ck.manifest.world_size)}
 
 
 def restore(storage: Storage, comm: Comm, step: int | None, fallback: bool, threads: int, failures: list[str], *,
-            rank: int | None = None, progress: bool = False, into: Any = None) -> tuple[Any, Loaded]:
+            rank: int | None = None, progress: bool = False, into: Any = None,
+            exchange: Exchange | None = None) -> tuple[Any, Loaded]:
     """Every rank of ``comm``: the newest checkpoint (or the newest attempt of ``step``) whose parts
     verify on every rank, as ``(state, loaded)``; see the module docstring.
 
     ``rank``: whose parts to read (default ``comm.rank``; ``load()`` passes its rank with a
-    :class:`LocalComm`). ``into``: a state to fill in place instead of a new one (restore_into.py). ``progress``: a byte progress bar on stderr (rank 0, when a terminal).
+    :class:`LocalComm`). ``into``: a state to fill in place instead of a new one (restore_into.py).
+    ``exchange``: the route of the replicated state's large pieces (restore_exchange.py; its
+    communicator is ``comm``). ``progress``: a byte progress bar on stderr (rank 0, when a terminal).
     Appends what failed to ``failures``. Without ``fallback`` the first failure raises on every
     rank: its own error where it failed, a :class:`CorruptionError` naming the others elsewhere.
     Raises :class:`NoCheckpointError` when there is none.
@@ -112,17 +122,18 @@ def restore(storage: Storage, comm: Comm, step: int | None, fallback: bool, thre
     for _, dirname in reversed(found):
         own: BaseException | None = None
         try:
-            state, loaded = _read(storage, dirname, rank, threads, progress and rank == 0 and progress_wanted(), into)
+            state, loaded = _read(storage, dirname, rank, threads, progress and rank == 0 and progress_wanted(), into,
+                                  exchange)
             report: dict[str, Any] = {"ok": True}
         except Exception as e:  # noqa: BLE001 - reported to the other ranks first, so that none waits forever
-            own, report = e, {"ok": False, "error": f"rank {rank}: {e}",
+            own, report = e, {"ok": False, "error": f"rank {rank}: {e}", "echo": isinstance(e, PeerFailed),
                               "final": not isinstance(e, CheckpointError) or isinstance(e, (NoCheckpointError,
                                                                                            MismatchError))}
         reports = comm.all_gather(report) if comm.world_size > 1 else [report]
         bad = [r for r in reports if not r["ok"]]
         if not bad:
             return state, loaded
-        failures.extend(f"{dirname}: {r['error']}" for r in bad)
+        failures.extend(f"{dirname}: {r['error']}" for r in bad if not r.get("echo"))  # each failure once
         if not fallback or any(r["final"] for r in bad):
             if own is not None:
                 raise own
@@ -136,10 +147,11 @@ def _steps(storage: Storage) -> list[int]:
     return [e.step for e in committed(storage)]
 
 
-def _read(storage: Storage, dirname: str, rank: int, threads: int, show: bool, into: Any) -> tuple[Any, Loaded]:
+def _read(storage: Storage, dirname: str, rank: int, threads: int, show: bool, into: Any,
+          exchange: Exchange | None = None) -> tuple[Any, Loaded]:
     """Open ``dirname`` and read the parts ``rank`` uses, each verified."""
     opened = open_checkpoint(storage, dirname)
     total = sum(e.nbytes for idx in opened.indexes for e in idx.entries if not e.local)
     with Bar(total, f"load step {opened.manifest.step}", show) as bar:
-        state, locals_ = read_for_rank(storage, opened, rank, threads, bar.update if show else None, into)
+        state, locals_ = read_for_rank(storage, opened, rank, threads, bar.update if show else None, into, exchange)
     return state, Loaded(opened, storage, locals=locals_)

@@ -21,6 +21,7 @@ from .levels.open import Level, open_storage
 from .persist import PersistJob
 from .restore import open_checkpoint
 from .restore_agreed import Loaded, restore
+from .restore_exchange import Exchange
 from .storage import Storage
 
 
@@ -85,8 +86,8 @@ class SingleLevel:
                        progress=progress, into=into)
 
     def restore(self, step: int | None, fallback: bool, threads: int, failures: list[str],
-                into: Any = None) -> tuple[Any, Loaded]:
-        return restore(self.storage, self.comm, step, fallback, threads, failures, into=into)
+                into: Any = None, exchange: Exchange | None = None) -> tuple[Any, Loaded]:
+        return restore(self.storage, self.comm, step, fallback, threads, failures, into=into, exchange=exchange)
 
     def open_newest(self) -> Loaded:
         found = manifest_dirs(self.storage)

@@ -82,3 +82,10 @@ class HorovodComm:
         sizes = self._hvd.allgather(torch.tensor([data.numel()], dtype=torch.int64), name=name + ".sz")
         joined = self._hvd.allgather(data, name=name + ".t")  # Horovod concatenates rows of any count
         return list(torch.split(joined, [int(n) for n in sizes]))
+
+    def broadcast_tensor(self, data: torch.Tensor, src: int) -> None:
+        """``src``'s bytes into ``data`` (a contiguous CPU tensor, the same size on every rank), in
+        place (the optional part of the core's comm, for a collective restore's exchange)."""
+        name = self.next_name("bcast_tensor")
+        if self._size > 1:
+            self._hvd.broadcast_(data, root_rank=src, name=name)

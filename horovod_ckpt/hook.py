@@ -68,6 +68,8 @@ class HorovodCheckpointer:
             or the script's (``"script"``: the optimizer state such as momentum and ``exp_avg`` and
             the scheduler's position stay restored; a scheduled ``lr`` continues the restored
             schedule on the script's base). See :mod:`horovod_ckpt._hparams`.
+        restore_route: how a restore on several ranks gets the replicated state (``"auto"``,
+            ``"read"``, ``"exchange"``; also a YAML key): see ``ckpt_engine.restore_exchange``.
         max_inflight, commit_timeout: passed to :class:`~ckpt_engine.Checkpointer`.
         comm: the communicator (default :class:`~horovod_ckpt.comm.HorovodComm`; tests inject one).
     """
@@ -81,11 +83,11 @@ class HorovodCheckpointer:
                  save_on_sigterm: bool = True, final_checkpoint: bool = True,
                  on_figures: Callable[[dict[str, Any]], None] | None = None, max_inflight: int = 1,
                  commit_timeout: float = 600.0, comm: Comm | None = None,
-                 optimizer_hparams: OptimizerHparams = "checkpoint") -> None:
+                 optimizer_hparams: OptimizerHparams = "checkpoint", restore_route: str | None = None) -> None:
         self.optimizer_hparams = _hparams.check_choice(optimizer_hparams)
         flags = {"path": path, "every_n_steps": every_n_steps, "every_seconds": every_seconds,
                  "overhead_budget": overhead_budget, "max_interval": max_interval, "keep_last": keep_last,
-                 "levels": levels, "storage_options": storage_options}
+                 "levels": levels, "storage_options": storage_options, "restore_route": restore_route}
         self.config = resolve_config(config, flags)
         self.policy = self.config.policy()
         self.tracked = Tracked(model, optimizer, scheduler, dict(extra or {}))

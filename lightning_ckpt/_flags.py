@@ -16,7 +16,7 @@ def build_config(*, path: Optional[str], dirpath: Optional[str], every_n_steps: 
                  every_n_train_steps: Optional[int], every_seconds: Optional[float],
                  train_time_interval: Optional[timedelta | float], overhead_budget: Optional[float],
                  max_interval: Optional[float], keep_last: Optional[int], levels: Optional[list[str]],
-                 storage_options: Optional[dict[str, Any]]) -> CheckpointConfig:
+                 storage_options: Optional[dict[str, Any]], restore_route: Optional[str] = None) -> CheckpointConfig:
     """The core's configuration from the callback's arguments, validated now (before the trainer
     starts); a :class:`ConfigError` names each flag as the user wrote it (``every_n_train_steps``,
     not the core's ``every_n_steps``)."""
@@ -28,7 +28,7 @@ def build_config(*, path: Optional[str], dirpath: Optional[str], every_n_steps: 
              "every_n_steps": _one_of("every_n_steps", every_n_steps, "every_n_train_steps", every_n_train_steps),
              "every_seconds": _one_of("every_seconds", every_seconds, "train_time_interval", interval),
              "overhead_budget": overhead_budget, "max_interval": max_interval, "keep_last": keep_last,
-             "levels": levels, "storage_options": storage_options}
+             "levels": levels, "storage_options": storage_options, "restore_route": restore_route}
     try:
         return resolve_config(None, flags)
     except ConfigError as error:

@@ -66,6 +66,9 @@ class AsyncShardedCheckpoint(*_lightning.bases("callbacks.Callback")):  # type: 
             there and end with Lightning's ``SIGTERMException`` (see ``lightning_ckpt._preempt``).
         pipeline: deferred snapshot (copy during the next forward/backward, waited for just before
             the next optimizer step). Off by default: measured in ``benchmarks/bench_lightning.py``.
+        restore_route: how a resume on several ranks gets the model's state: ``"auto"`` (measured
+            at the resume), ``"read"`` (every rank reads all of it), ``"exchange"`` (each rank
+            reads 1/N, the rest comes over the process group); see ``ckpt_engine.restore_exchange``.
         max_inflight, commit_timeout: passed to :class:`~ckpt_engine.Checkpointer`.
     """
 
@@ -76,13 +79,14 @@ class AsyncShardedCheckpoint(*_lightning.bases("callbacks.Callback")):  # type: 
                  keep_last: Optional[int] = DEFAULT_KEEP_LAST, levels: Optional[list[str]] = None,
                  storage_options: Optional[dict[str, Any]] = None, resume: Literal["auto", "never"] = "auto",
                  save_on_train_end: bool = True, save_on_exception: bool = True, save_on_sigterm: bool = True,
-                 pipeline: bool = False, max_inflight: int = 1, commit_timeout: float = 600.0) -> None:
+                 pipeline: bool = False, max_inflight: int = 1, commit_timeout: float = 600.0,
+                 restore_route: Optional[Literal["auto", "read", "exchange"]] = None) -> None:
         super().__init__()
         self.config = _flags.build_config(path=path, dirpath=dirpath, every_n_steps=every_n_steps,
                                           every_n_train_steps=every_n_train_steps, every_seconds=every_seconds,
                                           train_time_interval=train_time_interval, overhead_budget=overhead_budget,
                                           max_interval=max_interval, keep_last=keep_last, levels=levels,
-                                          storage_options=storage_options)
+                                          storage_options=storage_options, restore_route=restore_route)
         if resume not in ("auto", "never"):
             raise ValueError(f"resume must be 'auto' or 'never', got {resume!r}")
         self.resume, self.pipeline = resume, pipeline

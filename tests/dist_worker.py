@@ -5,6 +5,7 @@ in the environment. Modes:
 
 * ``save ROOT OUT STEPS``: save ``make_state(s)`` for s in 1..STEPS, then wait and close;
 * ``load ROOT OUT``: load the newest checkpoint, write digests of what came back to OUT;
+* ``restore ROOT OUT``: the collective restore twice, by ``$ROUTE``, with its figures and bytes read;
 * ``loop ROOT OUT``: save every step forever (the test SIGKILLs it), printing committed steps;
 * ``schedule ROOT OUT``: an adaptive schedule with rank-dependent iteration times;
 * ``crashloop ROOT OUT``: check what a restart restored, then save every step until killed.
@@ -40,6 +41,11 @@ def make_state(step: int) -> dict:
     }
 
 
+def columns_sharded(step: int) -> torch.Tensor:
+    """The whole of the column-sharded weight saved with ``COLUMNS_SHARDED=1`` at ``step``."""
+    return torch.randn(48, 6000, generator=torch.Generator().manual_seed(2000 + step))
+
+
 def make_local(step: int, rank: int) -> dict:
     """Per-rank state: differs across ranks (as BatchNorm statistics and RNG streams do)."""
     g = torch.Generator().manual_seed(step * 100 + rank)
@@ -64,6 +70,12 @@ def digest(value, path: str = "") -> dict:
     return out
 
 
+def _rchar() -> int:
+    """Bytes this process has read through system calls so far (``/proc/self/io``)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
 def main() -> None:
     mode, root, out = sys.argv[1:4]
     dist.init_process_group("gloo")
@@ -73,7 +85,12 @@ def main() -> None:
     result: dict = {"rank": rank}
     if mode == "save":
         for step in range(1, int(sys.argv[4]) + 1):
-            ck.save(make_state(step), step, make_local(step, rank))
+            state = make_state(step)
+            if os.environ.get("COLUMNS_SHARDED"):  # a tensor-parallel weight: each rank a block of columns
+                from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+                mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+                state["model"]["tp"] = distribute_tensor(columns_sharded(step), mesh, [Shard(1)])
+            ck.save(state, step, make_local(step, rank))
         ck.wait()
         result["records"] = [r.__dict__ for r in ck.records]
     elif mode == "load":
@@ -83,6 +100,21 @@ def main() -> None:
         result["step"] = ck.loaded_manifest.step
         result["local"] = digest(ck.load_local())
         result["writers"] = ck.loaded_manifest.world_size
+    elif mode == "restore":
+        # The collective restore (ROUTE: auto / read / exchange), twice: the second uses what auto chose.
+        import ckpt_engine.restore_exchange as exchange
+        exchange.MIN_PIECE = int(os.environ.get("MIN_PIECE", exchange.MIN_PIECE))  # the test state is small
+        ck.close()
+        ck = Checkpointer(root, comm=TorchDistComm(), restore_route=os.environ["ROUTE"], readonly=True)
+        result["restores"] = []
+        for _ in range(2):
+            before = _rchar()
+            restored = ck.restore()
+            figures = ck.restore_figures
+            result["restores"].append({
+                "step": restored.step, "state": digest(restored.state), "local": digest(restored.local),
+                "rchar": _rchar() - before, "failures": ck.load_failures,
+                "figures": None if figures is None else dict(figures.__dict__)})
     elif mode == "schedule":
         # Each rank's iterations take a different time: the decision must still be identical.
         import time

@@ -28,23 +28,25 @@ def free_port() -> int:
 
 
 def start_ranks(world: int, args: list[str], env_extra: dict | None = None,
-                worker: str = WORKER) -> list[subprocess.Popen]:
+                worker: str = WORKER, rank_env: list[dict] | None = None) -> list[subprocess.Popen]:
     """Start ``world`` ranks of ``worker`` (dist_worker.py) with ``args``, each in its own session
-    (killable as a group)."""
+    (killable as a group); ``rank_env[r]``: more environment for rank ``r`` alone."""
     port = free_port()
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), **(env_extra or {}))
+                   MASTER_PORT=str(port), **(env_extra or {}), **(rank_env[rank] if rank_env else {}))
         procs.append(subprocess.Popen([sys.executable, worker, *args], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, start_new_session=True))
     return procs
 
 
-def run_ranks(world: int, mode: str, root: str, out, *extra: str) -> list[dict]:
-    """Run a job to its end (each rank must exit 0) and return every rank's ``rank-N.json`` from ``out``."""
+def run_ranks(world: int, mode: str, root: str, out, *extra: str, env: dict | None = None,
+              rank_env: list[dict] | None = None) -> list[dict]:
+    """Run a job to its end (each rank must exit 0) and return every rank's ``rank-N.json`` from ``out``
+    (``env``: more environment variables for every rank; ``rank_env[r]``: for rank ``r``)."""
     out.mkdir(exist_ok=True)
-    procs = start_ranks(world, [mode, root, str(out), *extra])
+    procs = start_ranks(world, [mode, root, str(out), *extra], env, rank_env=rank_env)
     for p in procs:
         output, _ = p.communicate(timeout=240)
         assert p.returncode == 0, output

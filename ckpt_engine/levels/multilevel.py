@@ -24,6 +24,7 @@ from ..format.manifest import MANIFEST_NAME, Manifest, RankRecord
 from ..persist import PersistJob
 from ..restore import open_checkpoint
 from ..restore_agreed import Loaded
+from ..restore_exchange import Exchange
 from ..tally import Tally
 from .flush import Flusher, FlushItem
 from .open import RANK_COMMIT, Level, RankCommit, open_levels, write_rank_commit
@@ -192,9 +193,9 @@ class MultiLevel:
         return load_levels(self, self.comm, step, fallback, threads, failures, into)
 
     def restore(self, step: int | None, fallback: bool, threads: int, failures: list[str],
-                into: Any = None) -> tuple[Any, Loaded]:
-        """:meth:`load`: it verifies every rank's parts already."""
-        return load_levels(self, self.comm, step, fallback, threads, failures, into)
+                into: Any = None, exchange: Exchange | None = None) -> tuple[Any, Loaded]:
+        """:meth:`load` (it verifies every rank's parts already), shared levels read by ``exchange``'s route."""
+        return load_levels(self, self.comm, step, fallback, threads, failures, into, exchange)
 
     def open_newest(self) -> Loaded:
         """The newest checkpoint of the shared levels (the fastest on a tie); no communication."""

@@ -1,0 +1,209 @@
+"""A collective restore's replicated state: each rank reads a share, the communicator brings the rest.
+
+Every rank of a restarted job needs the whole replicated state. Read directly (``route="read"``),
+each of N ranks reads all of it: N times the bytes from shared storage, which is what limits
+recovery on a cluster (the storage's bandwidth divided among N readers). Exchanged
+(``"exchange"``), the state's large pieces are split into N runs of about equal bytes in one
+order every rank computes alike (:func:`~ckpt_engine.restore.split_by_bytes`); each rank reads
+and verifies its run only, then every piece is broadcast from the rank that read it straight
+into the others' destination tensors (no staging copy). Pieces under :data:`MIN_PIECE` are read
+by every rank (a collective per piece costs more than the read). ``"auto"`` (the default) decides
+at the first restore and keeps the choice for later restores of the same ``Checkpointer``: when
+every rank runs on one node it reads (co-located ranks share one page cache, so the storage serves
+the state once either way, and an exchange would only add the loopback transfer: measured in
+``bench_save.py``, 0.55 s read against 1.02 s exchanged for 1 GiB on 2 ranks); across nodes it
+measures both, the own-share read giving the storage's rate with every rank reading and the first
+eighth of the exchange the communicator's, and sends the rest the faster way. A node is a host
+name and, where torchrun sets it, ``GROUP_RANK``.
+
+Verification does not weaken: every byte is checked against its checksum by the rank that read
+it, and a rank whose read fails tells the others (one all-gather of verdicts) before any
+exchange, so all ranks raise together and the agreed fallback of :func:`restore_agreed.restore`
+moves them to the same older checkpoint. The communicator must offer ``broadcast_tensor`` (the
+core's :class:`~ckpt_engine.comm.TorchDistComm` and Horovod's do); otherwise, and for
+``restore(into=...)`` (each rank reads only what its own shards need), reads are direct.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from .comm import Comm
+from .errors import CorruptionError
+from .format.manifest import IndexEntry
+from .restore import (Opened, Places, Progress, read_entries, read_state, split_by_bytes, tensor_name,
+                      whole_targets)
+from .storage import Storage
+from .values import decode
+
+log = logging.getLogger("ckpt_engine.restore")
+
+Route = Literal["auto", "read", "exchange"]
+ROUTES: tuple[str, ...] = ("auto", "read", "exchange")
+MIN_PIECE = 1 << 20
+"""Pieces smaller than this are read by every rank instead of exchanged."""
+PROBE_SHARE = 8
+"""``auto`` times the first 1/``PROBE_SHARE`` of the exchanged bytes (at least one piece)."""
+
+Job = tuple[int, IndexEntry]
+
+
+class PeerFailed(CorruptionError):
+    """Another rank's share of the checkpoint failed to verify (that rank reports the failure
+    itself; the restore lists it once)."""
+
+
+@dataclass
+class RestoreFigures:
+    """What the last collective restore did on this rank (bytes and wall seconds)."""
+
+    route: str
+    """How the large pieces came: ``"read"`` (all from storage), ``"exchange"``, or ``"auto→read"`` /
+    ``"auto→exchange"`` (measured at this restore, the rest sent the faster way)."""
+    read_bytes: int = 0
+    received_bytes: int = 0
+    read_s: float = 0.0
+    exchange_s: float = 0.0
+    measured: dict[str, float] = field(default_factory=dict)
+    """``auto``'s measurement: ``nodes: 1`` when every rank runs on one node (no measurement), else ``read_GBps`` (slowest rank's storage rate with every rank
+    reading), ``exchange_GBps`` (bytes broadcast per second), and the predicted seconds of the rest
+    each way (``rest_read_s``, ``rest_exchange_s``)."""
+
+
+class Exchange:
+    """The route of a ``Checkpointer``'s collective restores (the same on every rank), and what
+    ``auto`` chose at the first one."""
+
+    def __init__(self, comm: Comm, route: str = "auto") -> None:
+        if route not in ROUTES:
+            raise ValueError(f"restore_route must be one of {', '.join(map(repr, ROUTES))}, got {route!r}")
+        self.comm, self.route = comm, route
+        self.chosen: str | None = None
+        """``auto``'s choice, once measured."""
+        self.figures: RestoreFigures | None = None
+
+    def applies(self, into: Any) -> bool:
+        """Whether this restore exchanges at all: several ranks, a communicator that can, a new
+        state (not ``into``), and a route other than ``read``."""
+        return (self.route != "read" and into is None and self.comm.world_size > 1
+                and callable(getattr(self.comm, "broadcast_tensor", None)))
+
+    def read_state(self, storage: Storage, ck: Opened, threads: int, progress: Progress | None = None) -> object:
+        """The replicated state of ``ck``, every rank together (see the module docstring)."""
+        comm, where = self.comm, storage.describe(f"{ck.dirname}")
+        decided_now = self.route == "auto" and self.chosen is None
+        if decided_now and len(set(comm.all_gather(node_name()))) == 1:
+            self.chosen = "read"  # one node, one page cache: see the module docstring
+        if self.route == "auto" and self.chosen == "read":
+            start = time.perf_counter()
+            state = read_state(storage, ck, threads, progress)
+            self.figures = RestoreFigures(
+                "auto→read" if decided_now else "read", read_s=time.perf_counter() - start,
+                read_bytes=sum(e.nbytes for idx in ck.indexes for e in idx.entries if not e.local),
+                measured={"nodes": 1.0} if decided_now else {})
+            return state
+        targets = whole_targets(ck.manifest.tensors)
+        places = Places(ck.manifest.tensors, targets)
+        names = [tensor_name(t, i) for i, t in enumerate(ck.manifest.tensors)]
+        jobs = sorted(((idx.rank, e) for idx in ck.indexes for e in idx.entries if not e.local),
+                      key=lambda j: (j[0], j[1].offset))
+        large = [j for j in jobs if j[1].nbytes >= MIN_PIECE]
+        owners = split_by_bytes([e.nbytes for _, e in large], comm.world_size)
+        mine = [j for j, o in zip(large, owners) if o == comm.rank]
+        kept: dict[Job, torch.Tensor] = {}
+        figures = RestoreFigures(self.chosen or self.route)
+
+        start = time.perf_counter()
+        failed: str | None = None
+        try:
+            read_entries(storage, ck, [j for j in jobs if j[1].nbytes < MIN_PIECE] + mine, places, names, threads,
+                         progress, keep=kept)
+        except Exception as e:  # noqa: BLE001 - told to the other ranks before any exchange, then raised
+            failed, error = f"rank {comm.rank}: {e}", e
+        verdicts = comm.all_gather(failed)
+        if failed is not None:
+            raise error
+        others = [v for v in verdicts if v is not None]
+        if others:
+            raise PeerFailed(f"{where}: the share of another rank failed to verify: " + "; ".join(others))
+        figures.read_s = time.perf_counter() - start
+        figures.read_bytes = sum(e.nbytes for _, e in jobs if e.nbytes < MIN_PIECE) + sum(e.nbytes for _, e in mine)
+
+        sent = list(zip(large, owners))
+        if self.route == "auto" and self.chosen is None and large:
+            probe = _probe_length([e.nbytes for _, e in large])
+            probe_s = self._send(sent[:probe], places, kept, progress, figures)
+            sent = sent[probe:]
+            self.chosen = self._decide(figures, sum(e.nbytes for _, e in large[:probe]), probe_s, sent)
+            figures.route = f"auto→{self.chosen}"
+            log.info("restore of %s: %s (%s)", ck.dirname, figures.route, figures.measured)
+        if self.chosen == "read" and self.route == "auto":
+            start = time.perf_counter()
+            rest = [j for j, o in sent if o != comm.rank]
+            read_entries(storage, ck, rest, places, names, threads, progress)
+            figures.read_s += time.perf_counter() - start
+            figures.read_bytes += sum(e.nbytes for _, e in rest)
+        else:
+            self._send(sent, places, kept, progress, figures)
+        self.figures = figures
+        return decode(ck.manifest.state, lambda i: targets[i].out, count=len(targets), where=where)
+
+    def _send(self, sent: list[tuple[Job, int]], places: Places, kept: dict[Job, torch.Tensor],
+              progress: Progress | None, figures: RestoreFigures) -> float:
+        """Broadcast each piece from the rank that read it into the others' places; the seconds taken."""
+        start = time.perf_counter()
+        broadcast = self.comm.broadcast_tensor  # type: ignore[attr-defined]
+        for (writer, e), owner in sent:
+            if owner == self.comm.rank:
+                view = places.in_place(e)
+                data = kept[(writer, e)].view(torch.uint8) if view is None else torch.frombuffer(view, dtype=torch.uint8)
+                broadcast(data, owner)
+                continue
+            dest, temp = places.destination(e)
+            broadcast(torch.frombuffer(dest, dtype=torch.uint8), owner)
+            if temp is not None:
+                places.scatter(e, temp)
+            figures.received_bytes += e.nbytes
+            if progress is not None:
+                progress(e.nbytes)
+        seconds = time.perf_counter() - start
+        figures.exchange_s += seconds
+        return seconds
+
+    def _decide(self, figures: RestoreFigures, probe_bytes: int, probe_s: float,
+                rest: list[tuple[Job, int]]) -> str:
+        """Whether the ``rest`` of the pieces is faster exchanged or read: the same answer on every
+        rank, computed from gathered figures and the pieces' owners, which every rank knows."""
+        gathered = self.comm.all_gather([figures.read_bytes, figures.read_s, probe_s])
+        read_rate = min(b / max(s, 1e-9) for b, s, _ in gathered)
+        exchange_rate = probe_bytes / max(max(p for _, _, p in gathered), 1e-9)
+        slowest_read = max(sum(e.nbytes for (_, e), o in rest if o != r) for r in range(self.comm.world_size))
+        rest_exchange = sum(e.nbytes for (_, e), _ in rest) / max(exchange_rate, 1e-9)
+        rest_read = slowest_read / max(read_rate, 1e-9)
+        figures.measured = {"read_GBps": read_rate / 1e9, "exchange_GBps": exchange_rate / 1e9,
+                            "rest_read_s": rest_read, "rest_exchange_s": rest_exchange}
+        return "exchange" if rest_exchange <= rest_read else "read"
+
+
+def node_name() -> str:
+    """This process's node: the host name, and torchrun's node rank (``GROUP_RANK``) where set."""
+    group = os.environ.get("GROUP_RANK")
+    return socket.gethostname() + ("" if group is None else f"/{group}")
+
+
+def _probe_length(sizes: list[int]) -> int:
+    """How many leading pieces make up the first 1/:data:`PROBE_SHARE` of the bytes (at least one)."""
+    goal, done = sum(sizes) / PROBE_SHARE, 0
+    for i, n in enumerate(sizes):
+        done += n
+        if done >= goal:
+            return i + 1
+    return len(sizes)
+
