@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from . import hugepages
 from .cuda_copy import CudaCopy, Gather, Origin, capture, queue
 from .format.manifest import ALIGN, Piece, TensorEntry
 from .plan import Plan, Slice, TensorMeta, chunk_slice, make_plan
@@ -104,7 +105,10 @@ class HostBuffer:
     def __init__(self, nbytes: int, pinned: bool) -> None:
         # zeros: the padding between pieces is written and checksummed, and must not leak old memory.
         # Page-aligned start, so persist can write it with O_DIRECT (see storage.write_stream).
-        raw = torch.zeros(max(nbytes, 1) + PAGE, dtype=torch.uint8, pin_memory=pinned)
+        if pinned:
+            raw = torch.zeros(max(nbytes, 1) + PAGE, dtype=torch.uint8, pin_memory=True)
+        else:  # zero-filled through huge pages where the kernel has them (hugepages.py)
+            raw = hugepages.empty((max(nbytes, 1) + PAGE,), torch.uint8).zero_()
         skip = -raw.data_ptr() % PAGE
         self.tensor = raw[skip:skip + max(nbytes, 1)]
         self.pinned = pinned

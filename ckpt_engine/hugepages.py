@@ -1,0 +1,61 @@
+"""Transparent huge pages for the large host memory the engine allocates and fills at once.
+
+A first save (or ``reserve()``) allocates its snapshot buffer and zero-fills it at once, and with
+4 KiB pages that first touch (a page fault per page, the kernel zeroing it) is most of the cost:
+on the VMs this was measured on, 1 GiB allocated and filled in 0.264 s through 4 KiB faults against
+0.074 s with 2 MiB pages (median of 10 alternated). Restored tensors are left on 4 KiB pages:
+reading a cold file into huge pages was 2.9 x slower there (1.86 s against 0.65 s per GiB, the
+kernel assembling huge pages while the page cache fills), though 1.8 x faster from the cache. Linux
+backs an anonymous mapping with huge pages where it is advised to (``madvise(MADV_HUGEPAGE)``, the
+``madvise`` mode of ``/sys/kernel/mm/transparent_hugepage/enabled``, the common default), so
+:func:`empty` advises the 2 MiB-aligned interior of each large allocation before anything touches
+it, as torch's own ``THP_MEM_ALLOC_ENABLE=1`` does for every allocation. The kernel falls back to
+small pages when it has no huge page to give; elsewhere (other systems, pinned memory) this does
+nothing. ``CKPT_HUGEPAGES=0`` in the environment turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from typing import Sequence
+
+import torch
+
+HUGE_PAGE = 2 << 20
+MIN_BYTES = 8 << 20
+"""Smaller allocations are left alone (at most a few huge pages, and glibc may reuse their memory)."""
+_MADV_HUGEPAGE = 14
+
+
+def _madvise() -> "ctypes._CFuncPtr | None":
+    if not sys.platform.startswith("linux") or os.environ.get("CKPT_HUGEPAGES", "1") == "0":
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+_MADVISE = _madvise()
+
+
+def advise(t: torch.Tensor) -> bool:
+    """Ask for huge pages under the not yet touched CPU tensor ``t`` (its whole 2 MiB pages);
+    whether the kernel took the advice. Never raises: huge pages only make it faster."""
+    nbytes = t.numel() * t.element_size()
+    if _MADVISE is None or t.device.type != "cpu" or t.is_pinned() or nbytes < MIN_BYTES:
+        return False
+    start = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+    stop = (t.data_ptr() + nbytes) // HUGE_PAGE * HUGE_PAGE
+    return stop > start and _MADVISE(start, stop - start, _MADV_HUGEPAGE) == 0
+
+
+def empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype)`` on the CPU, advised to huge pages when large."""
+    t = torch.empty(tuple(shape), dtype=dtype)
+    advise(t)
+    return t
