@@ -282,6 +282,37 @@ def read_into(paths: Sequence[str], dest: memoryview) -> int:
     return got
 
 
+def set_page_cache(ctx: "RankCtx", paths: Sequence[str], cold: bool) -> None:
+    """Every file under ``paths`` out of the page cache (``cold``: ``fsync``, then
+    ``posix_fadvise(DONTNEED)``, which drops clean pages without root, unlike ``drop_caches``) or
+    in it (read through once); done by rank 0 for the node, then a barrier."""
+    ctx.barrier()
+    if ctx.rank == 0:
+        chunk = memoryview(bytearray(16 << 20))
+        for path in _files(paths):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                if cold:
+                    os.fsync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                else:
+                    while os.readv(fd, [chunk]):
+                        pass
+            finally:
+                os.close(fd)
+    ctx.barrier()
+
+
+def _files(paths: Sequence[str]) -> list[str]:
+    out = []
+    for path in paths:
+        if os.path.isdir(path):
+            out += [os.path.join(d, f) for d, _, names in os.walk(path) for f in names]
+        elif os.path.exists(path):
+            out.append(path)
+    return out
+
+
 def fsync_path(path: str) -> None:
     """``fsync`` an existing file (or directory) by path."""
     fd = os.open(path, os.O_RDONLY)

@@ -14,7 +14,23 @@ from typing import Any, Callable
 
 import torch
 
-from _common import MemProbe, Metrics, RankCtx, empty_like_state, fsync_path, states_equal, timed
+from _common import (MemProbe, Metrics, RankCtx, empty_like_state, fsync_path, set_page_cache, states_equal,
+                     timed)
+
+
+def cold_and_warm_loads(ctx: RankCtx, paths: list[str], load: Callable[[], Any], prefix: str = "load") -> Metrics:
+    """``load()`` timed with ``paths`` out of the page cache (``<prefix>_s``), then in it
+    (``<prefix>_warm_s``), each after the free heap is given back; ``<prefix>_ok``: both bit-exact."""
+    out: Metrics = {}
+    ok = True
+    for key, cold in ((f"{prefix}_s", True), (f"{prefix}_warm_s", False)):
+        ctx.before_load()
+        set_page_cache(ctx, paths, cold)
+        out[key], loaded = timed(load)
+        ok = ok and states_equal(loaded, ctx.state)
+        del loaded
+    out[f"{prefix}_ok"] = float(ok)
+    return out
 
 
 def repeated(stem: str) -> Callable[[Callable[[RankCtx, str], Metrics]], Callable[[RankCtx], Metrics]]:
@@ -53,9 +69,7 @@ def bench_torch_save(ctx: RankCtx, path: str) -> Metrics:
         probe = MemProbe().start(trim=ctx.cold)
         out["stall_s"] = out["total_s"] = timed(lambda: _torch_save_fsync(ctx.state, path))[0]
         out["mem_extra_bytes"] = probe.peak_extra()
-    ctx.before_load()
-    out["load_s"], loaded = timed(lambda: torch.load(path, weights_only=True))
-    out["load_ok"] = float(states_equal(loaded, ctx.state))
+    out.update(cold_and_warm_loads(ctx, [path], lambda: torch.load(path, weights_only=True)))
     return out
 
 
@@ -103,9 +117,7 @@ def bench_dcp_save(ctx: RankCtx, path: str) -> Metrics:
         dcp.load(target, checkpoint_id=path)
         return target
 
-    ctx.before_load()
-    out["load_s"], loaded = timed(load)
-    out["load_ok"] = float(states_equal(loaded, ctx.state))
+    out.update(cold_and_warm_loads(ctx, [path], load))
     return out
 
 

@@ -37,6 +37,7 @@ import socket
 import sys
 import tempfile
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
@@ -46,10 +47,11 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _levels import bench_levels  # noqa: E402
+from ckpt_engine import hugepages  # noqa: E402
 from _common import (MemProbe, Metrics, RankCtx, StateSpec, best_of, byte_view, make_state,  # noqa: E402
-                     read_into, share_slices, state_bytes, states_equal, summary, timed, write_fsync,
-                     aligned_copy)
-from _peers import bench_dcp_async, bench_dcp_save, bench_lightning, bench_torch_save  # noqa: E402
+                     read_into, set_page_cache, share_slices, state_bytes, states_equal, summary, timed,
+                     write_fsync, aligned_copy)
+from _peers import bench_dcp_async, bench_dcp_save, bench_lightning, bench_torch_save, cold_and_warm_loads  # noqa: E402
 from _report import write_report  # noqa: E402
 
 KEEP_LAST = 1
@@ -81,11 +83,21 @@ class Config:
 
 
 # ---- physical limits ------------------------------------------------------------------------------
-def gather_share(ctx: RankCtx) -> tuple[torch.Tensor, Callable[[], None]]:
-    """A warm buffer of the rank's share of the state and the single-threaded copy that fills it."""
+def gather_share(ctx: RankCtx) -> tuple[torch.Tensor, Callable[[], None], Callable[[], None]]:
+    """A warm buffer of the rank's share of the state, the single-threaded copy that fills it, and
+    the same copy split over this rank's cores (``torch.get_num_threads()``: cores ÷ ranks), each
+    thread one run of about equal bytes (``ctypes.memmove`` releases the GIL)."""
     slices = share_slices(ctx.state, ctx.rank, ctx.world)
     buf = torch.zeros(sum(n for _, n in slices), dtype=torch.uint8)
     base = buf.data_ptr()
+    runs: list[list[tuple[int, int, int]]] = [[] for _ in range(max(1, torch.get_num_threads()))]
+    offset, per = 0, -(-buf.numel() // len(runs))
+    for src, n in slices:  # cut at run boundaries so that every thread copies ``per`` bytes
+        while n:
+            take = min(n, per - offset % per)
+            runs[offset // per].append((base + offset, src, take))
+            offset, src, n = offset + take, src + take, n - take
+    pool = ThreadPoolExecutor(len(runs))
 
     def copy() -> None:
         offset = 0
@@ -93,8 +105,15 @@ def gather_share(ctx: RankCtx) -> tuple[torch.Tensor, Callable[[], None]]:
             ctypes.memmove(base + offset, src, n)
             offset += n
 
+    def copy_run(run: list[tuple[int, int, int]]) -> None:
+        for dst, src, n in run:
+            ctypes.memmove(dst, src, n)
+
+    def copy_threads() -> None:
+        list(pool.map(copy_run, runs))
+
     copy()
-    return buf, copy
+    return buf, copy, copy_threads
 
 
 class RawWriter:
@@ -126,19 +145,31 @@ class RawWriter:
 
 
 def bench_raw_read(ctx: RankCtx) -> Metrics:
-    """The floor of restore: ``preadv`` every rank's raw file (the whole state) into a warm buffer.
-
-    Also into a freshly allocated buffer (``load_fresh_s``): restoring returns new tensors, whose
-    first-touch page faults a warm buffer does not pay.
+    """The floor of restore: ``preadv`` every rank's raw file (the whole state) into a warm buffer
+    from the page cache (``load_s``), and into a freshly allocated buffer (restoring returns new
+    tensors, whose first-touch page faults a warm buffer does not pay) with the files out of the
+    page cache (``load_fresh_s``) and in it (``load_fresh_warm_s``).
     """
     paths = [ctx.path(f"raw-{r}.bin") for r in range(ctx.world)]
     dest = torch.zeros(sum(os.path.getsize(p) for p in paths), dtype=torch.uint8)
     view = byte_view(dest)
-    warm = best_of(3, lambda: read_into(paths, view), ctx.barrier)
-    fresh = best_of(3, lambda: read_into(paths, byte_view(torch.empty(dest.numel(), dtype=torch.uint8))),
-                    ctx.before_load)
+    warm = best_of(3, lambda: read_into(paths, view), lambda: set_page_cache(ctx, paths, cold=False))
+
+    def fresh(cold: bool, allocate: Callable[[int], torch.Tensor]) -> float:
+        return best_of(3, lambda: read_into(paths, byte_view(allocate(dest.numel()))),
+                       lambda: (ctx.before_load(), set_page_cache(ctx, paths, cold)))
+
+    def plain(n: int) -> torch.Tensor:
+        return torch.empty(n, dtype=torch.uint8)
+
+    def huge(n: int) -> torch.Tensor:
+        return hugepages.empty((n,), torch.uint8)
+
+    # Fresh memory with 4 KiB pages and with huge pages: the limit is the faster of the two.
+    out = {"load_s": warm, "load_fresh_s": min(fresh(True, plain), fresh(True, huge)),
+           "load_fresh_warm_s": min(fresh(False, plain), fresh(False, huge)), "bytes": dest.numel()}
     ctx.remove("raw-")
-    return {"load_s": warm, "load_fresh_s": fresh, "bytes": dest.numel()}
+    return out
 
 
 # ---- ours, side by side with memcpy and raw write -------------------------------------------------
@@ -152,11 +183,11 @@ def bench_ours(ctx: RankCtx) -> dict[str, Metrics]:
     """
     from ckpt_engine import Checkpointer, LocalComm, TorchDistComm
 
-    buf, copy = gather_share(ctx)
+    buf, copy, copy_threads = gather_share(ctx)
     raw = RawWriter(ctx, byte_view(buf))
     rawd = RawWriter(ctx, byte_view(buf), direct=True)  # the page cache bypassed, as ours writes
     ck = Checkpointer(ctx.path("ours"), comm=TorchDistComm() if ctx.world > 1 else LocalComm(), keep_last=KEEP_LAST)
-    probe, memcpy, writes, dwrites, saves = MemProbe(), [], [], [], []
+    probe, memcpy, memcpy_t, writes, dwrites, saves = MemProbe(), [], [], [], [], []
 
     def save() -> None:
         ctx.barrier()
@@ -180,15 +211,19 @@ def bench_ours(ctx: RankCtx) -> dict[str, Metrics]:
     for step in range(ctx.reps):
         ctx.barrier()
         memcpy.append(timed(copy)[0])
+        memcpy_t.append(timed(copy_threads)[0])
         for fn in order[step % 3:] + order[:step % 3]:
             fn()
     raw.finish()
     rawd.finish()
-    load_s, ok = best_load(ctx, ck.load)
+    loads = best_loads(ctx, [ctx.path("ours")], ck.load)
+    if ctx.world > 1:
+        loads.update(bench_routes(ctx))
     ck.close()
     ctx.remove("ours")
-    ours = _ours_metrics(saves, load_s, ok)
+    ours = _ours_metrics(saves, loads)
     return {"memcpy": {"stall_s": min(memcpy), "share_bytes": buf.numel(), **_numbered(memcpy)},
+            "memcpy_threads": {"stall_s": min(memcpy_t), "threads": torch.get_num_threads(), **_numbered(memcpy_t)},
             "raw_write": {"total_first_s": writes[0], "total_s": min(writes[1:] or writes), "bytes": buf.numel(),
                           **_numbered(writes)},
             "raw_write_direct": {"total_first_s": dwrites[0], "total_s": min(dwrites[1:] or dwrites),
@@ -200,29 +235,56 @@ def _numbered(values: list[float]) -> Metrics:
     return {f"rep{i}_s": v for i, v in enumerate(values, 1)}
 
 
-def best_load(ctx: RankCtx, load: Callable[[], Any]) -> tuple[float, bool]:
-    """Fastest of ``ctx.peer_reps`` restores (as many as each peer gets), and whether all were bit-exact."""
-    times, ok = [], True
+def best_loads(ctx: RankCtx, paths: list[str], load: Callable[[], Any]) -> Metrics:
+    """Fastest of ``ctx.peer_reps`` cold and warm restores each (as many as each peer gets), and
+    whether all were bit-exact (``load_ok``)."""
+    best: Metrics = {}
     for _ in range(ctx.peer_reps):
-        ctx.before_load()
-        seconds, loaded = timed(load)
-        times.append(seconds)
-        ok = ok and states_equal(loaded, ctx.state)
-        del loaded
-    return min(times), ok
+        for key, value in cold_and_warm_loads(ctx, paths, load).items():
+            best[key] = min(best.get(key, value), value)
+    return best
 
 
-def _ours_metrics(reps: list[Metrics], load_s: float, ok: bool) -> Metrics:
+def bench_routes(ctx: RankCtx) -> Metrics:
+    """The collective ``restore()`` from a cold page cache by each route (restore_exchange.py):
+    ``restore_<route>_s`` (best of ``peer_reps``, a new ``Checkpointer`` each, so ``auto``
+    measures every time) and what ``auto`` chose (``auto_exchanged``: 1 when it exchanged)."""
+    from ckpt_engine import Checkpointer, TorchDistComm
+
+    out: Metrics = {}
+    for route in ("read", "exchange", "auto"):
+        for _ in range(ctx.peer_reps):
+            ck = Checkpointer(ctx.path("ours"), comm=TorchDistComm(), readonly=True, restore_route=route)
+            ctx.before_load()
+            set_page_cache(ctx, [ctx.path("ours")], cold=True)
+            seconds, restored = timed(ck.restore)
+            ok = states_equal(restored.state, ctx.state)
+            key = f"restore_{route}_s"
+            out[key] = min(out.get(key, seconds), seconds)
+            out["load_ok"] = min(out.get("load_ok", 1.0), float(ok))
+            if route == "auto" and ck.restore_figures is not None:
+                out["auto_exchanged"] = float(ck.restore_figures.route.endswith("exchange"))
+                out.update({f"auto_{k}": v for k, v in ck.restore_figures.measured.items()})
+            del restored
+            ck.close()
+    return out
+
+
+def _ours_metrics(reps: list[Metrics], loads: Metrics) -> Metrics:
     """First save, steady state (best of reps 2..N), medians, and each repetition's figures.
 
     ``other_s`` is the part of the time to ``wait()`` outside snapshot, data write and commit:
     the index file, retention of older checkpoints (rank 0) and waiting for the commit (others).
+    ``after_stall_s``: from the end of ``save()`` until committed, the background phase the raw
+    write is compared with (the stall is compared with memcpy).
     """
     steady = reps[1:] or reps
+    for r in reps:
+        r["after_stall_s"] = r["total_s"] - r["stall_s"]
     out: Metrics = {"stall_first_s": reps[0]["stall_s"], "total_first_s": reps[0]["total_s"],
-                    "share_bytes": reps[0]["share_bytes"], "load_s": load_s, "load_ok": float(ok),
+                    "share_bytes": reps[0]["share_bytes"], **loads,
                     "mem_extra_bytes": max(r["mem_extra_bytes"] for r in reps)}
-    for key in ("stall_s", "total_s", "snapshot_s", "persist_s", "commit_s", "other_s"):
+    for key in ("stall_s", "total_s", "after_stall_s", "snapshot_s", "persist_s", "commit_s", "other_s"):
         stats = summary([r[key] for r in steady])
         out[key], out[key.replace("_s", "_median_s")] = stats["min"], stats["median"]
     for i, rep in enumerate(reps, 1):
