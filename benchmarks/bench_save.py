@@ -34,6 +34,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import sys
 import tempfile
 import warnings
@@ -191,6 +192,8 @@ def bench_ours(ctx: RankCtx) -> dict[str, Metrics]:
 
     def save() -> None:
         ctx.barrier()
+        memcpy_t.append(timed(copy_threads)[0])  # the copy limit right before the save it bounds
+        ctx.barrier()
         probe.start(keep_baseline=bool(saves), trim=not saves)
         stall, handle = timed(lambda: ck.save(ctx.state, len(saves)))
         total = stall + timed(ck.wait)[0]
@@ -211,7 +214,6 @@ def bench_ours(ctx: RankCtx) -> dict[str, Metrics]:
     for step in range(ctx.reps):
         ctx.barrier()
         memcpy.append(timed(copy)[0])
-        memcpy_t.append(timed(copy_threads)[0])
         for fn in order[step % 3:] + order[:step % 3]:
             fn()
     raw.finish()
@@ -224,6 +226,8 @@ def bench_ours(ctx: RankCtx) -> dict[str, Metrics]:
     ours = _ours_metrics(saves, loads)
     return {"memcpy": {"stall_s": min(memcpy), "share_bytes": buf.numel(), **_numbered(memcpy)},
             "memcpy_threads": {"stall_s": min(memcpy_t), "threads": torch.get_num_threads(), **_numbered(memcpy_t)},
+            "paired": {"stall_vs_copy_median": statistics.median(
+                s["stall_s"] / m for s, m in list(zip(saves, memcpy_t))[1:] or zip(saves, memcpy_t))},
             "raw_write": {"total_first_s": writes[0], "total_s": min(writes[1:] or writes), "bytes": buf.numel(),
                           **_numbered(writes)},
             "raw_write_direct": {"total_first_s": dwrites[0], "total_s": min(dwrites[1:] or dwrites),
