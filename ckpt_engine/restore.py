@@ -266,6 +266,29 @@ def _extents_by_rank(ck: Opened) -> dict[int, dict[IndexEntry, int]]:
     return {idx.rank: dict(zip(idx.entries, extents(idx.entries, idx.data_bytes))) for idx in ck.indexes}
 
 
+RUN_PIECE_MAX = 1 << 20
+"""Pieces below this are read together with their neighbours in the file (one request per run)."""
+RUN_MAX = 8 << 20
+"""Largest run of small pieces read as one request."""
+
+
+def _runs(group: Sequence[tuple[int, IndexEntry]],
+          ends: Mapping[int, Mapping[IndexEntry, int]]) -> list[list[tuple[int, IndexEntry]]]:
+    """``group`` (sorted by file and offset) cut into reads: a large piece alone (with its padding),
+    small pieces that follow each other in one file together, up to :data:`RUN_MAX` bytes; on an
+    object store each run is one GET instead of two per piece."""
+    runs: list[list[tuple[int, IndexEntry]]] = []
+    for rank, e in group:
+        last = runs[-1] if runs else None
+        if (last is not None and e.nbytes < RUN_PIECE_MAX and last[-1][1].nbytes < RUN_PIECE_MAX
+                and last[-1][0] == rank and ends[rank][last[-1][1]] == e.offset
+                and ends[rank][e] - last[0][1].offset <= RUN_MAX):
+            last.append((rank, e))
+        else:
+            runs.append([(rank, e)])
+    return runs
+
+
 def split_by_bytes(sizes: Sequence[int], parts: int) -> list[int]:
     """The part (``0 <= p < parts``) of each item, in order: consecutive runs of about equal bytes.
 
@@ -298,26 +321,27 @@ def read_entries(storage: Storage, ck: Opened, jobs: Sequence[tuple[int, IndexEn
     def read_group(group: list[tuple[int, IndexEntry]]) -> None:
         readers: dict[int, Reader] = {}
         try:
-            for rank, e in group:
+            for run in _runs(group, ends):
+                rank = run[0][0]
                 if rank not in readers:
                     readers[rank] = storage.reader(f"{dirname}/{data_file(rank)}")
-                dest, temp = places.destination(e)
-                readers[rank].read_into(e.offset, dest)
-                digest = xxhash.xxh3_64(dest)
-                padding = memoryview(bytearray(ends[rank][e] - e.offset - e.nbytes))
-                if len(padding):
-                    readers[rank].read_into(e.offset + e.nbytes, padding)
+                placed = [(e, *places.destination(e), memoryview(bytearray(ends[rank][e] - e.offset - e.nbytes)))
+                          for _, e in run]
+                readers[rank].read_many(run[0][1].offset, [b for _, dest, _, pad in placed for b in (dest, pad)
+                                                           if len(b)])
+                for e, dest, temp, padding in placed:
+                    digest = xxhash.xxh3_64(dest)
                     digest.update(padding)
-                if digest.hexdigest() != e.xxh3:
-                    raise CorruptionError(
-                        f"{storage.describe(f'{dirname}/{data_file(rank)}')}: checksum mismatch in tensor "
-                        f"{names[e.tensor]} ({_elements(e)} at byte {e.offset})")
-                if temp is not None:
-                    places.scatter(e, temp)
-                    if keep is not None:
-                        keep[(rank, e)] = temp
-                if progress is not None:
-                    progress(e.nbytes)
+                    if digest.hexdigest() != e.xxh3:
+                        raise CorruptionError(
+                            f"{storage.describe(f'{dirname}/{data_file(rank)}')}: checksum mismatch in tensor "
+                            f"{names[e.tensor]} ({_elements(e)} at byte {e.offset})")
+                    if temp is not None:
+                        places.scatter(e, temp)
+                        if keep is not None:
+                            keep[(rank, e)] = temp
+                    if progress is not None:
+                        progress(e.nbytes)
         finally:
             for r in readers.values():
                 r.close()

@@ -160,14 +160,14 @@ class CountingStorage(Storage):
     def reader(self, rel: str) -> Any:
         inner = super().reader(rel)
         if rel.endswith(".bin"):
-            read_into = inner.read_into
+            read_many = inner.read_many  # every read goes through it (read_into too)
 
-            def counted(offset: int, dest: memoryview) -> None:
-                read_into(offset, dest)
+            def counted(offset: int, dests: Any) -> None:
+                read_many(offset, dests)
                 with self._lock:
-                    self.data_read += len(dest)
+                    self.data_read += sum(len(d) for d in dests)
 
-            inner.read_into = counted  # type: ignore[method-assign]
+            inner.read_many = counted  # type: ignore[method-assign]
         return inner
 
 

@@ -219,6 +219,10 @@ class Storage(abc.ABC):
             return fn()
 
 
+COALESCE_MAX = 16 << 20
+"""Largest span a scatter read fetches as one request through a temporary (:meth:`Reader.read_many`)."""
+
+
 class Reader(abc.ABC):
     """Ranged reads of one file straight into destination memory; from :meth:`Storage.reader`."""
 
@@ -231,12 +235,40 @@ class Reader(abc.ABC):
 
     def read_into(self, offset: int, dest: memoryview) -> None:
         """Fill ``dest`` with the bytes at ``offset``; a short file is an error naming it."""
+        self.read_many(offset, [dest])
+
+    def read_many(self, offset: int, dests: Sequence[memoryview]) -> None:
+        """Fill ``dests`` with the consecutive bytes from ``offset`` on (a scatter read), in one
+        request where the backend allows: a restore reads a piece and its padding, or a run of
+        small pieces, together. A short file is an error naming it."""
         def read() -> None:
-            got = self._read(offset, dest)
-            if got != len(dest):
-                raise EOFError(f"file ends after {offset + got} bytes, {offset + len(dest)} expected")
+            want = sum(len(d) for d in dests)
+            got = self._read(offset, dests[0]) if len(dests) == 1 else self._read_many(offset, dests)
+            if got != want:
+                raise EOFError(f"file ends after {offset + got} bytes, {offset + want} expected")
 
         self._storage.run("read", self._rel, read)
+
+    def _read_many(self, offset: int, dests: Sequence[memoryview]) -> int:
+        """Backends without scatter reads: one request for the whole span into a temporary when it
+        is at most :data:`COALESCE_MAX` bytes (copied out; on an object store a GET costs more than
+        that copy), else each buffer by itself. The byte count."""
+        total = sum(len(d) for d in dests)
+        if total > COALESCE_MAX:
+            got = 0
+            for d in dests:
+                n = self._read(offset + got, d)
+                got += n
+                if n < len(d):
+                    break
+            return got
+        span = memoryview(bytearray(total))
+        got = self._read(offset, span)
+        at = 0
+        for d in dests:
+            d[:] = span[at:at + len(d)]
+            at += len(d)
+        return got
 
     def close(self) -> None:
         """Release the file (idempotent)."""

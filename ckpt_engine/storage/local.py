@@ -16,7 +16,7 @@ import fcntl
 import os
 import shutil
 import uuid
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
@@ -193,10 +193,29 @@ class LocalReader(Reader):
             got += n
         return got
 
+    def _read_many(self, offset: int, dests: Sequence[memoryview]) -> int:
+        if self._fd is None:
+            raise ValueError("read from a closed reader")
+        todo, got = [memoryview(d).cast("B") for d in dests], 0
+        while todo:  # one preadv per call, straight into every buffer; resumed after a short read
+            n = os.preadv(self._fd, todo[:_IOV_MAX], offset + got)
+            if n == 0:
+                break
+            got += n
+            while todo and n >= len(todo[0]):
+                n -= len(todo[0])
+                todo.pop(0)
+            if todo and n:
+                todo[0] = todo[0][n:]
+        return got
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 
 def _missing_is_none(fn: Callable[[], T]) -> T | None:
