@@ -41,15 +41,20 @@ from horovod_ckpt import HorovodCheckpointer  # noqa: E402
 def restore(args: argparse.Namespace) -> None:
     ex = horovod_train.parse_args(["--ckpt-dir", args.ckpt_dir])
     sampler, _, model, optimizer, scheduler = horovod_train.build(ex)
+    if args.restore_route == "exchange":
+        import ckpt_engine.restore_exchange as exchange
+        exchange.MIN_PIECE = 4096  # the example's tensors are small: exchange all but the tiniest
     ck = HorovodCheckpointer(args.ckpt_dir, model=model, optimizer=optimizer, sampler=sampler,
-                             scheduler=scheduler, final_checkpoint=False)
+                             scheduler=scheduler, final_checkpoint=False, restore_route=args.restore_route)
     step = ck.restore()
+    figures = ck.ck.restore_figures
     sampler.set_epoch(ck.epoch)
     rest = list(sampler)
     ck.close()
     torch.save({"step": step, "epoch": ck.epoch, "samples_in_epoch": ck.samples_in_epoch, "rest": rest,
                 "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "world": hvd.size()},
+                "scheduler": scheduler.state_dict(), "world": hvd.size(),
+                "received": figures.received_bytes if figures else 0},
                os.path.join(args.out, f"restore-rank{hvd.rank()}-of{hvd.size()}.pt"))
 
 
@@ -155,6 +160,7 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=4)
     p.add_argument("--step-delay", type=float, default=0.0)
     p.add_argument("--phase", choices=["save", "restore"], default="save")
+    p.add_argument("--restore-route", choices=["auto", "read", "exchange"], default=None)
     p.add_argument("--modes", default="checkpoint")
     p.add_argument("--fail", choices=["latest", "load"], default="latest")
     args = p.parse_args()

@@ -49,6 +49,7 @@ def test_levels_take_paths_or_mappings_with_top_level_defaults():
     ({"levels": ["/a", "file:///a/"]}, r"levels\[1\] \('file:///a/'\) is the same place as levels\[0\]"),
     ({"levels": ["/a", "s3://b/c"], "keep_last": -1}, "keep_last=-1 is invalid"),
     ({"path": "/x", "storage_options": ["k"]}, "storage_options"),
+    ({"path": "/x", "restore_route": "fastest"}, r"restore_route='fastest' is invalid.*'auto', 'read', 'exchange'"),
 ])
 def test_invalid_values_are_named(kwargs, message):
     with pytest.raises(ConfigError, match=message):
@@ -102,3 +103,18 @@ def test_a_storage_given_in_code_is_a_path_and_its_url_the_location(tmp_path):
         ck.close()
     with pytest.raises(ConfigError, match="non-empty string"):
         resolve_config(None, {"path": 42})
+
+
+def test_restore_route_reaches_the_checkpointer_from_yaml_and_both_front_ends(tmp_path):
+    from ckpt_engine import Checkpointer
+    from lightning_ckpt import AsyncShardedCheckpoint
+
+    conf = tmp_path / "ckpt.yaml"
+    conf.write_text(f"path: {tmp_path / 'run'}\nrestore_route: exchange\n")
+    cfg = CheckpointConfig.from_yaml(str(conf))
+    assert cfg.restore_route == "exchange" and CheckpointConfig(path="/x").restore_route == "auto"
+    with Checkpointer.from_config(cfg) as ck:
+        assert ck._exchange.route == "exchange"
+    assert AsyncShardedCheckpoint(str(tmp_path), restore_route="read").config.restore_route == "read"
+    with pytest.raises(ConfigError, match="restore_route"):
+        AsyncShardedCheckpoint(str(tmp_path), restore_route="sideways")

@@ -347,10 +347,11 @@ def test_valid_yaml_config_drives_the_hook(two_rank_checkpoint):
 
 @needs_horovod
 @job
-@pytest.mark.parametrize("np", [1, 3])
-def test_restore_a_two_rank_checkpoint_on_another_number_of_ranks(two_rank_checkpoint, tmp_path, np):
+@pytest.mark.parametrize("np, route", [(1, "auto"), (3, "auto"), (3, "exchange")])
+def test_restore_a_two_rank_checkpoint_on_another_number_of_ranks(two_rank_checkpoint, tmp_path, np, route):
+    """``exchange``: each rank reads a share, Horovod's broadcast brings the rest (restore_exchange.py)."""
     d = two_rank_checkpoint
-    run(np, WORKER, "restore", "--ckpt-dir", str(d / "ck"), "--out", str(tmp_path))
+    run(np, WORKER, "restore", "--ckpt-dir", str(d / "ck"), "--out", str(tmp_path), "--restore-route", route)
     written = [load_final(d / "out", r) for r in (0, 1)]
     seen = {i for r in (0, 1) for row in steps_logged(d / "log", r).values() if row["epoch"] == 1 for i in row["ids"]}
     assert len(seen) == 2 * 2 * 8  # 2 steps of epoch 1 on 2 ranks
@@ -358,6 +359,7 @@ def test_restore_a_two_rank_checkpoint_on_another_number_of_ranks(two_rank_check
     for rank in range(np):
         got = torch.load(tmp_path / f"restore-rank{rank}-of{np}.pt", weights_only=False)
         assert (got["step"], got["epoch"], got["samples_in_epoch"], got["world"]) == (10, 1, 32, np)
+        assert (got["received"] > 0) == (route == "exchange")
         writer = written[rank] if rank < 2 else written[0]  # per-rank buffers: own writer's, else rank 0's
         assert_same(got["model"], writer["model"])
         assert_same(got["optimizer"], written[0]["optimizer"])
