@@ -16,6 +16,7 @@ pieces that meet a target are read, each verified whole.
 
 from __future__ import annotations
 
+import itertools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -266,26 +267,16 @@ def _extents_by_rank(ck: Opened) -> dict[int, dict[IndexEntry, int]]:
     return {idx.rank: dict(zip(idx.entries, extents(idx.entries, idx.data_bytes))) for idx in ck.indexes}
 
 
-RUN_PIECE_MAX = 1 << 20
-"""Pieces below this are read together with their neighbours in the file (one request per run)."""
-RUN_MAX = 8 << 20
-"""Largest run of small pieces read as one request."""
-
-
-def _runs(group: Sequence[tuple[int, IndexEntry]],
-          ends: Mapping[int, Mapping[IndexEntry, int]]) -> list[list[tuple[int, IndexEntry]]]:
-    """``group`` (sorted by file and offset) cut into reads: a large piece alone (with its padding),
-    small pieces that follow each other in one file together, up to :data:`RUN_MAX` bytes; on an
-    object store each run is one GET instead of two per piece."""
-    runs: list[list[tuple[int, IndexEntry]]] = []
-    for rank, e in group:
-        last = runs[-1] if runs else None
-        if (last is not None and e.nbytes < RUN_PIECE_MAX and last[-1][1].nbytes < RUN_PIECE_MAX
-                and last[-1][0] == rank and ends[rank][last[-1][1]] == e.offset
-                and ends[rank][e] - last[0][1].offset <= RUN_MAX):
-            last.append((rank, e))
+def _runs(pieces: Sequence[IndexEntry], ends: Mapping[IndexEntry, int], run_max: int) -> list[list[IndexEntry]]:
+    """``pieces`` of one file (by offset) cut into reads: pieces that follow each other in the file
+    (with their padding) together, while a run spans at most ``run_max`` bytes (the reader's
+    :attr:`~ckpt_engine.storage.Reader.run_max`); a larger piece is a run of its own."""
+    runs: list[list[IndexEntry]] = []
+    for e in pieces:
+        if runs and ends[runs[-1][-1]] == e.offset and ends[e] - runs[-1][0].offset <= run_max:
+            runs[-1].append(e)
         else:
-            runs.append([(rank, e)])
+            runs.append([e])
     return runs
 
 
@@ -319,32 +310,29 @@ def read_entries(storage: Storage, ck: Opened, jobs: Sequence[tuple[int, IndexEn
         groups[group].append(job)
 
     def read_group(group: list[tuple[int, IndexEntry]]) -> None:
-        readers: dict[int, Reader] = {}
-        try:
-            for run in _runs(group, ends):
-                rank = run[0][0]
-                if rank not in readers:
-                    readers[rank] = storage.reader(f"{dirname}/{data_file(rank)}")
-                placed = [(e, *places.destination(e), memoryview(bytearray(ends[rank][e] - e.offset - e.nbytes)))
-                          for _, e in run]
-                readers[rank].read_many(run[0][1].offset, [b for _, dest, _, pad in placed for b in (dest, pad)
-                                                           if len(b)])
-                for e, dest, temp, padding in placed:
-                    digest = xxhash.xxh3_64(dest)
-                    digest.update(padding)
-                    if digest.hexdigest() != e.xxh3:
-                        raise CorruptionError(
-                            f"{storage.describe(f'{dirname}/{data_file(rank)}')}: checksum mismatch in tensor "
-                            f"{names[e.tensor]} ({_elements(e)} at byte {e.offset})")
-                    if temp is not None:
-                        places.scatter(e, temp)
-                        if keep is not None:
-                            keep[(rank, e)] = temp
-                    if progress is not None:
-                        progress(e.nbytes)
-        finally:
-            for r in readers.values():
-                r.close()
+        for rank, jobs in itertools.groupby(group, key=lambda j: j[0]):  # sorted by file, then offset
+            with storage.reader(f"{dirname}/{data_file(rank)}") as reader:
+                for run in _runs([e for _, e in jobs], ends[rank], reader.run_max):
+                    read_run(rank, reader, run)
+
+    def read_run(rank: int, reader: Reader, run: list[IndexEntry]) -> None:
+        """One request for ``run`` (each piece into its place, its padding aside), then each verified."""
+        placed = [(e, *places.destination(e), memoryview(bytearray(ends[rank][e] - e.offset - e.nbytes)))
+                  for e in run]
+        reader.read_many(run[0].offset, [b for _, dest, _, pad in placed for b in (dest, pad) if len(b)])
+        for e, dest, temp, padding in placed:
+            digest = xxhash.xxh3_64(dest)
+            digest.update(padding)
+            if digest.hexdigest() != e.xxh3:
+                raise CorruptionError(
+                    f"{storage.describe(f'{dirname}/{data_file(rank)}')}: checksum mismatch in tensor "
+                    f"{names[e.tensor]} ({_elements(e)} at byte {e.offset})")
+            if temp is not None:
+                places.scatter(e, temp)
+                if keep is not None:
+                    keep[(rank, e)] = temp
+            if progress is not None:
+                progress(e.nbytes)
 
     groups = [g for g in groups if g]
     if len(groups) <= 1:

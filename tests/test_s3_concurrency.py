@@ -163,6 +163,20 @@ def test_a_checkpoint_saves_and_loads_with_parts_in_flight(s3_server, inflight, 
     assert inflight.total["range"] >= 6 * PART // RANGE and 2 <= inflight.peak["range"] <= 3
 
 
+def test_a_load_reads_neighbouring_tensors_together(s3_server, inflight):
+    """40 tensors of 256 KiB (10 MiB) come back in one scatter read per file, not a GET per tensor:
+    on an object store a GET is a round trip (and on moto a copy of the whole object)."""
+    state = {f"layer{i}": torch.randn(64 << 10) for i in range(40)}
+    st = _through(inflight, s3_server)
+    with Checkpointer(st, read_threads=1) as ck:
+        ck.save(state, 1)
+        ck.wait()
+        inflight.reset()
+        loaded = ck.load()
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    assert inflight.total["range"] <= 3, dict(inflight.total)  # the data (one GET), manifest and index
+
+
 @pytest.mark.parametrize("bad", [0, -2, 2.5, True, "8"])
 def test_max_concurrency_is_validated_naming_it_and_the_value(bad, s3_server):
     with pytest.raises(ConfigError, match=rf"^storage_options\.max_concurrency={bad!r} is invalid: expected a pos"):

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpt_engine import Checkpointer, StorageError
-from ckpt_engine.restore import RUN_MAX, RUN_PIECE_MAX, _runs
+from ckpt_engine.restore import _runs
 from ckpt_engine.format.manifest import IndexEntry
 from ckpt_engine.storage import Storage
 from ckpt_engine.storage import local as local_storage
@@ -57,21 +57,22 @@ def test_a_short_file_is_an_error_naming_it(tmp_path, url):
         r.read_many(60, [memoryview(bytearray(30)), memoryview(bytearray(30))])
 
 
-def test_runs_join_small_neighbours_only():
+def test_runs_join_neighbours_up_to_the_readers_span():
     def e(offset: int, nbytes: int) -> IndexEntry:
         return IndexEntry(False, 0, 0, nbytes // 4, offset, nbytes, "0" * 16)
 
+    def end(x: IndexEntry) -> int:
+        return x.offset + -(-x.nbytes // 4096) * 4096
+
     small = [e(i * 4096, 1000) for i in range(5)]
-    big = e(5 * 4096, RUN_PIECE_MAX)
-    after = e(5 * 4096 + RUN_PIECE_MAX, 1000)
-    other = e(0, 1000)
-    group = [(0, x) for x in [*small, big, after]] + [(1, other)]
-    ends = {0: {x: x.offset + -(-x.nbytes // 4096) * 4096 for x in [*small, big, after]}, 1: {other: 4096}}
-    cut = _runs(group, ends)
-    assert [[x for _, x in run] for run in cut] == [small, [big], [after], [other]]
-    many = [(0, e(i * 4096, 1000)) for i in range(RUN_MAX // 4096 + 10)]
-    lengths = [len(r) for r in _runs(many, {0: {x: x.offset + 4096 for _, x in many}})]
-    assert lengths == [RUN_MAX // 4096, 10]  # a run stops at RUN_MAX bytes
+    big = e(5 * 4096, 1 << 20)
+    gap = e(end(big) + 4096, 1000)  # not where the previous one ends: a new run
+    pieces = [*small, big, gap]
+    ends = {x: end(x) for x in pieces}
+    assert _runs(pieces, ends, 64 << 20) == [[*small, big], [gap]]
+    assert _runs(pieces, ends, 5 * 4096) == [small, [big], [gap]]  # a piece over the span is a run of its own
+    many = [e(i * 4096, 1000) for i in range(30)]
+    assert [len(r) for r in _runs(many, {x: end(x) for x in many}, 8 * 4096)] == [8, 8, 8, 6]
 
 
 def test_a_restore_of_many_small_tensors_makes_few_requests(monkeypatch):

@@ -226,6 +226,9 @@ COALESCE_MAX = 16 << 20
 class Reader(abc.ABC):
     """Ranged reads of one file straight into destination memory; from :meth:`Storage.reader`."""
 
+    run_max: int = COALESCE_MAX
+    """The most bytes a restore asks of one :meth:`read_many` (neighbouring pieces together)."""
+
     def __init__(self, storage: Storage, rel: str) -> None:
         self._storage, self._rel = storage, rel
 
@@ -262,7 +265,11 @@ class Reader(abc.ABC):
                 if n < len(d):
                     break
             return got
-        span = memoryview(bytearray(total))
+        return self._read_span(offset, dests)
+
+    def _read_span(self, offset: int, dests: Sequence[memoryview]) -> int:
+        """One read of the whole span into a temporary, copied out into ``dests``; the byte count."""
+        span = memoryview(bytearray(sum(len(d) for d in dests)))
         got = self._read(offset, span)
         at = 0
         for d in dests:

@@ -26,7 +26,7 @@ import posixpath
 import warnings
 import weakref
 from datetime import datetime
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 from ..errors import CheckpointWarning, StorageError
 from ..format import guard
@@ -41,6 +41,8 @@ _OBJECT_BLOCK = 64 << 20
 _READ_BLOCK = 16 << 20
 """Range of one GET when a large S3 read is split (a GET has no minimum; 8-16 MiB is AWS's advice)."""
 _S3 = {"s3", "s3a"}
+_S3_RUN = 64 << 20
+"""Largest span of neighbouring pieces a restore reads from S3 in one scatter read."""
 _NO_DIRECTORIES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "adl"}
 _NO_UPLOAD_LISTING: "weakref.WeakSet[Any]" = weakref.WeakSet()
 """Filesystems (equal when URL options are) whose server answered 501 to ListMultipartUploads."""
@@ -218,7 +220,18 @@ class FsspecStorage(Storage):
 
 class FsspecReader(Reader):
     """One ranged request per read (``cat_file``); on S3, a read over ``_READ_BLOCK`` is split
-    into ranges fetched concurrently (:func:`.s3_parts.read_into`)."""
+    into ranges fetched concurrently (:func:`.s3_parts.read_into`), and a scatter read of
+    neighbouring pieces spans up to :data:`_S3_RUN` bytes: fetched that way into one temporary,
+    then copied out (a copy costs far less than the GETs it saves)."""
+
+    @property
+    def run_max(self) -> int:  # type: ignore[override]
+        return _S3_RUN if self._storage.protocol in _S3 else super().run_max  # type: ignore[attr-defined]
+
+    def _read_many(self, offset: int, dests: Sequence[memoryview]) -> int:
+        if self._storage.protocol in _S3 and sum(len(d) for d in dests) <= _S3_RUN:  # type: ignore[attr-defined]
+            return self._read_span(offset, dests)
+        return super()._read_many(offset, dests)
 
     def _read(self, offset: int, dest: memoryview) -> int:
         st: FsspecStorage = self._storage  # type: ignore[assignment]

@@ -177,6 +177,8 @@ class LocalStorage(Storage):
 class LocalReader(Reader):
     """One descriptor, ``preadv`` into the destination (no intermediate copy, GIL released)."""
 
+    run_max = 64 << 20  # a scatter read needs no temporary here: only fewer system calls
+
     def __init__(self, storage: LocalStorage, rel: str) -> None:
         super().__init__(storage, rel)
         where = storage.describe(rel)  # regular files only, no link below the root (see guard)
