@@ -345,6 +345,7 @@ class Checkpointer:
         ``into``: fill that state in place (see :meth:`load`); ``state`` is then ``into``.
         """
         self.load_failures = []
+        self._exchange.figures = None
         state, loaded = self._dest.restore(step, fallback, self.read_threads, self.load_failures, into,
                                            self._exchange)
         self._loaded = loaded
@@ -358,8 +359,9 @@ class Checkpointer:
 
     @property
     def restore_figures(self) -> RestoreFigures | None:
-        """What this rank's last exchanging ``restore()`` did: the route taken, bytes read and
-        received, seconds, and ``auto``'s measurement (``None`` until a restore exchanged)."""
+        """What this rank's last ``restore()`` did when it went through the exchange: the route
+        taken, bytes read and received, seconds, and ``auto``'s measurement (``None`` when it read
+        directly: one rank, ``into=``, route ``read``, or ``auto`` having chosen to read)."""
         return self._exchange.figures
 
     @property

@@ -29,7 +29,7 @@ from .format.manifest import Manifest
 from .progress import Bar
 from .progress import wanted as progress_wanted
 from .restore import Opened, Progress, open_checkpoint, read_local, read_state
-from .restore_exchange import Exchange, PeerFailed
+from .restore_exchange import Exchange, Pending, node_name
 from .storage import Storage
 
 
@@ -86,18 +86,17 @@ def local_ranks(rank: int, writers: int) -> list[int]:
 
 
 def read_for_rank(storage: Storage, ck: Opened, rank: int, threads: int,
-                  progress: Progress | None = None, into: Any = None,
-                  exchange: Exchange | None = None) -> tuple[Any, dict[int, Any]]:
+                  progress: Progress | None = None, into: Any = None) -> tuple[Any, dict[int, Any]]:
     """The replicated state of ``ck`` (or ``into`` filled from it: restore_into.py) and the ``local``
     of every writer in :func:`local_ranks`, each verified; raises :class:`CorruptionError` or
-    :class:`FormatError` naming the file otherwise. ``exchange``: every rank calls this together,
-    and the state's large pieces are read once across the ranks and exchanged when that route
-    applies (restore_exchange.py)."""
-    if exchange is not None and exchange.applies(into):
-        state = exchange.read_state(storage, ck, threads, progress)
-    else:
-        state = read_state(storage, ck, threads, progress, into)
-    return state, {r: read_local(storage, ck, r) for r in local_ranks(rank, ck.manifest.world_size)}
+    :class:`FormatError` naming the file otherwise."""
+    state = read_state(storage, ck, threads, progress, into)
+    return state, read_locals(storage, ck, rank)
+
+
+def read_locals(storage: Storage, ck: Opened, rank: int) -> dict[int, Any]:
+    """The ``local`` of every writer in :func:`local_ranks`, each verified."""
+    return {r: read_local(storage, ck, r) for r in local_ranks(rank, ck.manifest.world_size)}
 
 
 def restore(storage: Storage, comm: Comm, step: int | None, fallback: bool, threads: int, failures: list[str], *,
@@ -109,7 +108,9 @@ def restore(storage: Storage, comm: Comm, step: int | None, fallback: bool, thre
     ``rank``: whose parts to read (default ``comm.rank``; ``load()`` passes its rank with a
     :class:`LocalComm`). ``into``: a state to fill in place instead of a new one (restore_into.py).
     ``exchange``: the route of the replicated state's large pieces (restore_exchange.py; its
-    communicator is ``comm``). ``progress``: a byte progress bar on stderr (rank 0, when a terminal).
+    communicator is ``comm``): each rank reads its share alone, the verdicts are agreed, then the
+    exchange runs, then a second agreement covers what it read. ``progress``: a byte progress bar
+    on stderr (rank 0, when a terminal).
     Appends what failed to ``failures``. Without ``fallback`` the first failure raises on every
     rank: its own error where it failed, a :class:`CorruptionError` naming the others elsewhere.
     Raises :class:`NoCheckpointError` when there is none.
@@ -121,19 +122,26 @@ def restore(storage: Storage, comm: Comm, step: int | None, fallback: bool, thre
         raise NoCheckpointError(f"no committed checkpoint{which} at {storage.describe('')}{steps}")
     for _, dirname in reversed(found):
         own: BaseException | None = None
+        pending: Pending | None = None
         try:
-            state, loaded = _read(storage, dirname, rank, threads, progress and rank == 0 and progress_wanted(), into,
-                                  exchange)
-            report: dict[str, Any] = {"ok": True}
+            state, loaded, pending = _read(storage, dirname, rank, threads,
+                                           progress and rank == 0 and progress_wanted(), into, exchange)
+            report: dict[str, Any] = {"ok": True, "node": node_name()}
         except Exception as e:  # noqa: BLE001 - reported to the other ranks first, so that none waits forever
-            own, report = e, {"ok": False, "error": f"rank {rank}: {e}", "echo": isinstance(e, PeerFailed),
-                              "final": not isinstance(e, CheckpointError) or isinstance(e, (NoCheckpointError,
-                                                                                           MismatchError))}
+            own, report = e, _failed(rank, e)
         reports = comm.all_gather(report) if comm.world_size > 1 else [report]
         bad = [r for r in reports if not r["ok"]]
+        if not bad and pending is not None and exchange is not None:  # every rank has its share: exchange
+            try:
+                state = exchange.finish(pending, [r["node"] for r in reports])
+                report = {"ok": True}
+            except Exception as e:  # noqa: BLE001 - agreed on below, as above
+                own, report = e, _failed(rank, e)
+            reports = comm.all_gather(report)
+            bad = [r for r in reports if not r["ok"]]
         if not bad:
             return state, loaded
-        failures.extend(f"{dirname}: {r['error']}" for r in bad if not r.get("echo"))  # each failure once
+        failures.extend(f"{dirname}: {r['error']}" for r in bad)
         if not fallback or any(r["final"] for r in bad):
             if own is not None:
                 raise own
@@ -143,15 +151,26 @@ def restore(storage: Storage, comm: Comm, step: int | None, fallback: bool, thre
     raise CorruptionError(f"no checkpoint at {storage.describe('')} verifies{everywhere}: " + "; ".join(failures))
 
 
+def _failed(rank: int, e: Exception) -> dict[str, Any]:
+    """The report of a rank whose reading of a candidate failed (``final``: no other candidate can help)."""
+    return {"ok": False, "error": f"rank {rank}: {e}", "node": node_name(),
+            "final": not isinstance(e, CheckpointError) or isinstance(e, (NoCheckpointError, MismatchError))}
+
+
 def _steps(storage: Storage) -> list[int]:
     return [e.step for e in committed(storage)]
 
 
 def _read(storage: Storage, dirname: str, rank: int, threads: int, show: bool, into: Any,
-          exchange: Exchange | None = None) -> tuple[Any, Loaded]:
-    """Open ``dirname`` and read the parts ``rank`` uses, each verified."""
+          exchange: Exchange | None = None) -> tuple[Any, Loaded, Pending | None]:
+    """Open ``dirname`` and read the parts ``rank`` uses, each verified, by this rank alone; when
+    the exchange applies, only this rank's share of the state (``Pending``, for ``finish``)."""
     opened = open_checkpoint(storage, dirname)
     total = sum(e.nbytes for idx in opened.indexes for e in idx.entries if not e.local)
     with Bar(total, f"load step {opened.manifest.step}", show) as bar:
-        state, locals_ = read_for_rank(storage, opened, rank, threads, bar.update if show else None, into, exchange)
-    return state, Loaded(opened, storage, locals=locals_)
+        update = bar.update if show else None
+        if exchange is not None and exchange.applies(into):
+            pending = exchange.start(storage, opened, threads, update)
+            return None, Loaded(opened, storage, locals=read_locals(storage, opened, rank)), pending
+        state, locals_ = read_for_rank(storage, opened, rank, threads, update, into)
+    return state, Loaded(opened, storage, locals=locals_), None

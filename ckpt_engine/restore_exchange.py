@@ -17,9 +17,11 @@ eighth of the exchange the communicator's, and sends the rest the faster way. A 
 name and, where torchrun sets it, ``GROUP_RANK``.
 
 Verification does not weaken: every byte is checked against its checksum by the rank that read
-it, and a rank whose read fails tells the others (one all-gather of verdicts) before any
-exchange, so all ranks raise together and the agreed fallback of :func:`restore_agreed.restore`
-moves them to the same older checkpoint. The communicator must offer ``broadcast_tensor`` (the
+it. Each rank reads its share alone (:meth:`Exchange.start`, no communication), the ranks agree
+on the verdicts (:func:`restore_agreed.restore`'s all-gather), and only then exchange
+(:meth:`Exchange.finish`, collectives first, any further reads last, followed by a second
+agreement): a rank that fails anywhere never leaves the others waiting in a collective, and the
+agreed fallback moves every rank to the same older checkpoint. The communicator must offer ``broadcast_tensor`` (the
 core's :class:`~ckpt_engine.comm.TorchDistComm` and Horovod's do); otherwise, and for
 ``restore(into=...)`` (each rank reads only what its own shards need), reads are direct.
 """
@@ -36,10 +38,8 @@ from typing import Any, Literal
 import torch
 
 from .comm import Comm
-from .errors import CorruptionError
 from .format.manifest import IndexEntry
-from .restore import (Opened, Places, Progress, read_entries, read_state, split_by_bytes, tensor_name,
-                      whole_targets)
+from .restore import Opened, Places, Progress, Target, read_entries, split_by_bytes, tensor_name, whole_targets
 from .storage import Storage
 from .values import decode
 
@@ -53,11 +53,6 @@ PROBE_SHARE = 8
 """``auto`` times the first 1/``PROBE_SHARE`` of the exchanged bytes (at least one piece)."""
 
 Job = tuple[int, IndexEntry]
-
-
-class PeerFailed(CorruptionError):
-    """Another rank's share of the checkpoint failed to verify (that rank reports the failure
-    itself; the restore lists it once)."""
 
 
 @dataclass
@@ -77,6 +72,23 @@ class RestoreFigures:
     each way (``rest_read_s``, ``rest_exchange_s``)."""
 
 
+@dataclass
+class Pending:
+    """A restore between :meth:`Exchange.start` (this rank's share, read) and :meth:`Exchange.finish`."""
+
+    storage: Storage
+    ck: Opened
+    threads: int
+    targets: list[Target]
+    places: Places
+    names: list[str]
+    sent: list[tuple[Job, int]]
+    """Every large piece and the rank that reads it, in the order all ranks exchange them."""
+    figures: RestoreFigures
+    kept: dict[Job, torch.Tensor] = field(default_factory=dict)
+    """This rank's verified temporaries of pieces not read in place (sent from there)."""
+
+
 class Exchange:
     """The route of a ``Checkpointer``'s collective restores (the same on every rank), and what
     ``auto`` chose at the first one."""
@@ -91,90 +103,79 @@ class Exchange:
 
     def applies(self, into: Any) -> bool:
         """Whether this restore exchanges at all: several ranks, a communicator that can, a new
-        state (not ``into``), and a route other than ``read``."""
-        return (self.route != "read" and into is None and self.comm.world_size > 1
-                and callable(getattr(self.comm, "broadcast_tensor", None)))
+        state (not ``into``), and a route other than ``read`` (nor ``auto`` having chosen to read).
+        The same answer on every rank: it depends on settings and on earlier agreed choices only."""
+        return (self.route != "read" and not (self.route == "auto" and self.chosen == "read") and into is None
+                and self.comm.world_size > 1 and callable(getattr(self.comm, "broadcast_tensor", None)))
 
-    def read_state(self, storage: Storage, ck: Opened, threads: int, progress: Progress | None = None) -> object:
-        """The replicated state of ``ck``, every rank together (see the module docstring)."""
-        comm, where = self.comm, storage.describe(f"{ck.dirname}")
-        decided_now = self.route == "auto" and self.chosen is None
-        if decided_now and len(set(comm.all_gather(node_name()))) == 1:
-            self.chosen = "read"  # one node, one page cache: see the module docstring
-        if self.route == "auto" and self.chosen == "read":
-            start = time.perf_counter()
-            state = read_state(storage, ck, threads, progress)
-            self.figures = RestoreFigures(
-                "auto→read" if decided_now else "read", read_s=time.perf_counter() - start,
-                read_bytes=sum(e.nbytes for idx in ck.indexes for e in idx.entries if not e.local),
-                measured={"nodes": 1.0} if decided_now else {})
-            return state
+    def start(self, storage: Storage, ck: Opened, threads: int, progress: Progress | None = None) -> Pending:
+        """This rank's part, alone (no communication, so that a failure here cannot leave the
+        other ranks in a collective): the small pieces and its own share of the large ones, read
+        and verified into new tensors. :meth:`finish` follows once every rank reported success."""
         targets = whole_targets(ck.manifest.tensors)
-        places = Places(ck.manifest.tensors, targets)
-        names = [tensor_name(t, i) for i, t in enumerate(ck.manifest.tensors)]
         jobs = sorted(((idx.rank, e) for idx in ck.indexes for e in idx.entries if not e.local),
                       key=lambda j: (j[0], j[1].offset))
         large = [j for j in jobs if j[1].nbytes >= MIN_PIECE]
-        owners = split_by_bytes([e.nbytes for _, e in large], comm.world_size)
-        mine = [j for j, o in zip(large, owners) if o == comm.rank]
-        kept: dict[Job, torch.Tensor] = {}
-        figures = RestoreFigures(self.chosen or self.route)
+        owners = split_by_bytes([e.nbytes for _, e in large], self.comm.world_size)
+        mine = [j for j, o in zip(large, owners) if o == self.comm.rank]
+        done = Pending(storage, ck, threads, targets, Places(ck.manifest.tensors, targets),
+                       [tensor_name(t, i) for i, t in enumerate(ck.manifest.tensors)], list(zip(large, owners)),
+                       figures=RestoreFigures(self.chosen or self.route))
+        begin = time.perf_counter()
+        read_entries(storage, ck, [j for j in jobs if j[1].nbytes < MIN_PIECE] + mine, done.places, done.names,
+                     threads, progress, keep=done.kept)
+        done.figures.read_s = time.perf_counter() - begin
+        done.figures.read_bytes = sum(e.nbytes for _, e in jobs if e.nbytes < MIN_PIECE) + sum(e.nbytes for _, e in mine)
+        return done
 
-        start = time.perf_counter()
-        failed: str | None = None
-        try:
-            read_entries(storage, ck, [j for j in jobs if j[1].nbytes < MIN_PIECE] + mine, places, names, threads,
-                         progress, keep=kept)
-        except Exception as e:  # noqa: BLE001 - told to the other ranks before any exchange, then raised
-            failed, error = f"rank {comm.rank}: {e}", e
-        verdicts = comm.all_gather(failed)
-        if failed is not None:
-            raise error
-        others = [v for v in verdicts if v is not None]
-        if others:
-            raise PeerFailed(f"{where}: the share of another rank failed to verify: " + "; ".join(others))
-        figures.read_s = time.perf_counter() - start
-        figures.read_bytes = sum(e.nbytes for _, e in jobs if e.nbytes < MIN_PIECE) + sum(e.nbytes for _, e in mine)
-
-        sent = list(zip(large, owners))
-        if self.route == "auto" and self.chosen is None and large:
-            probe = _probe_length([e.nbytes for _, e in large])
-            probe_s = self._send(sent[:probe], places, kept, progress, figures)
-            sent = sent[probe:]
-            self.chosen = self._decide(figures, sum(e.nbytes for _, e in large[:probe]), probe_s, sent)
+    def finish(self, done: Pending, nodes: list[str]) -> object:
+        """Every rank together, once every rank's :meth:`start` succeeded (``nodes``: each rank's
+        :func:`node_name`, from that agreement): the rest of the large pieces, then the state.
+        Collectives come first; reads from storage (which may fail on one rank) only last, so a
+        failure here is agreed on afterwards like one in :meth:`start`."""
+        sent, figures = done.sent, done.figures
+        if self.route == "auto" and self.chosen is None and sent:
+            if len(set(nodes)) == 1:  # one node, one page cache: see the module docstring
+                self.chosen, figures.measured = "read", {"nodes": 1.0}
+            else:
+                probe = _probe_length([e.nbytes for (_, e), _ in sent])
+                probe_s = self._send(sent[:probe], done)
+                self.chosen = self._decide(figures, sum(e.nbytes for (_, e), _ in sent[:probe]), probe_s,
+                                           sent[probe:])
+                sent = sent[probe:]
             figures.route = f"auto→{self.chosen}"
-            log.info("restore of %s: %s (%s)", ck.dirname, figures.route, figures.measured)
-        if self.chosen == "read" and self.route == "auto":
-            start = time.perf_counter()
-            rest = [j for j, o in sent if o != comm.rank]
-            read_entries(storage, ck, rest, places, names, threads, progress)
-            figures.read_s += time.perf_counter() - start
+            log.info("restore of %s: %s (%s)", done.ck.dirname, figures.route, figures.measured)
+        if self.route == "auto" and self.chosen == "read":
+            begin = time.perf_counter()
+            rest = [j for j, o in sent if o != self.comm.rank]
+            read_entries(done.storage, done.ck, rest, done.places, done.names, done.threads)
+            figures.read_s += time.perf_counter() - begin
             figures.read_bytes += sum(e.nbytes for _, e in rest)
         else:
-            self._send(sent, places, kept, progress, figures)
+            self._send(sent, done)
         self.figures = figures
-        return decode(ck.manifest.state, lambda i: targets[i].out, count=len(targets), where=where)
+        targets = done.targets
+        return decode(done.ck.manifest.state, lambda i: targets[i].out, count=len(targets),
+                      where=done.storage.describe(done.ck.dirname))
 
-    def _send(self, sent: list[tuple[Job, int]], places: Places, kept: dict[Job, torch.Tensor],
-              progress: Progress | None, figures: RestoreFigures) -> float:
+    def _send(self, sent: list[tuple[Job, int]], done: Pending) -> float:
         """Broadcast each piece from the rank that read it into the others' places; the seconds taken."""
         start = time.perf_counter()
         broadcast = self.comm.broadcast_tensor  # type: ignore[attr-defined]
+        places = done.places
         for (writer, e), owner in sent:
             if owner == self.comm.rank:
                 view = places.in_place(e)
-                data = kept[(writer, e)].view(torch.uint8) if view is None else torch.frombuffer(view, dtype=torch.uint8)
-                broadcast(data, owner)
+                broadcast(done.kept[(writer, e)].view(torch.uint8) if view is None
+                          else torch.frombuffer(view, dtype=torch.uint8), owner)
                 continue
             dest, temp = places.destination(e)
             broadcast(torch.frombuffer(dest, dtype=torch.uint8), owner)
             if temp is not None:
                 places.scatter(e, temp)
-            figures.received_bytes += e.nbytes
-            if progress is not None:
-                progress(e.nbytes)
+            done.figures.received_bytes += e.nbytes
         seconds = time.perf_counter() - start
-        figures.exchange_s += seconds
+        done.figures.exchange_s += seconds
         return seconds
 
     def _decide(self, figures: RestoreFigures, probe_bytes: int, probe_s: float,

@@ -136,7 +136,7 @@ def fault(args: argparse.Namespace) -> None:
     from ckpt_engine import restore_agreed
 
     rank, function, what = {"latest": (0, "manifest_dirs", "the listing"),
-                            "load": (1, "read_for_rank", "the read")}[args.fail]
+                            "load": (1, "read_locals", "the read")}[args.fail]  # after the state, either route
     if hvd.rank() == rank:
         def fail(*a: object, **k: object) -> None:
             raise CorruptionError(f"injected into {what} on rank {rank}")

@@ -34,7 +34,6 @@ from ..format.manifest import IndexEntry, RankIndex, RankRecord, check_coverage,
 from ..restore import Opened, Places, Target, open_checkpoint, whole_targets
 from ..restore_into import fill
 from ..restore_agreed import Loaded, read_for_rank
-from ..restore_exchange import Exchange, PeerFailed
 from ..values import decode, parse_dtype
 
 if TYPE_CHECKING:
@@ -71,10 +70,9 @@ def candidates(shared: Mapping[int, Sequence[Sequence[Any]]], local: Sequence[Se
 
 
 def load_levels(ml: MultiLevel, comm: Comm, step: int | None, fallback: bool, threads: int,
-                failures: list[str], into: Any = None, exchange: Exchange | None = None) -> tuple[Any, Loaded]:
+                failures: list[str], into: Any = None) -> tuple[Any, Loaded]:
     """Every rank: ``(state, loaded)`` of the newest checkpoint (or ``step``) that verifies on all
     ranks (``into`` filled in place from it, when given: restore_into.py); see the module docstring.
-    ``exchange``: the route of a shared level's large pieces (restore_exchange.py).
 
     Appends what failed to ``failures``. Raises :class:`NoCheckpointError` when no level has one.
     """
@@ -90,14 +88,13 @@ def load_levels(ml: MultiLevel, comm: Comm, step: int | None, fallback: bool, th
         level = ml.levels[c.level]
         try:
             attempt = (_read_local_copy(level, c, comm.rank) if c.node_local
-                       else _read_shared(level, c, threads, comm.rank, into, exchange))
+                       else _read_shared(level, c, threads, comm.rank, into))
             report = attempt.report
         except Exception as e:  # noqa: BLE001 - reported to the other ranks first, so that none waits forever
             own_error, attempt, report = own_error or e, None, {"ok": False, "error": f"rank {comm.rank}: {e}",
-                                                                "final": isinstance(e, MismatchError),
-                                                                "echo": isinstance(e, PeerFailed)}
+                                                                "final": isinstance(e, MismatchError)}
         reports = comm.all_gather(report) if comm.world_size > 1 else [report]
-        bad = [r["error"] for r in reports if not r["ok"] and not r.get("echo")]  # each failure once
+        bad = [r["error"] for r in reports if not r["ok"]]
         if not bad:
             try:
                 return (attempt.finish(comm, reports, into) if c.node_local  # type: ignore[union-attr]
@@ -130,11 +127,10 @@ class _Shared:
     report: dict
 
 
-def _read_shared(level: Level, c: Candidate, threads: int, rank: int, into: Any,
-                 exchange: Exchange | None = None) -> _Shared:
+def _read_shared(level: Level, c: Candidate, threads: int, rank: int, into: Any) -> _Shared:
     """The state and the ``local`` sections this rank will use (its writer's, writer 0's), verified."""
     opened = open_checkpoint(level.storage, c.dirname)
-    state, verified = read_for_rank(level.storage, opened, rank, threads, into=into, exchange=exchange)
+    state, verified = read_for_rank(level.storage, opened, rank, threads, into=into)
     return _Shared((state, Loaded(opened, level.storage, level.index, verified)), {"ok": True})
 
 
