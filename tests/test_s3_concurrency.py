@@ -212,5 +212,9 @@ def test_memory_a_save_copies_no_part_and_a_streamed_copy_one_per_part_in_flight
             peaks[name] = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
-    assert peaks["view"] < PART and 4 * PART < peaks["streamed"] < 5 * PART, peaks
+    # tracemalloc also counts the HTTP stack's own send buffers (asyncio copies what the socket did
+    # not take into a bytearray of its own): ~2.3 MB in the "view" case, up to most of a part when
+    # moto reads slowly, so a streamed upload with 4 parts in flight peaks between 4 and 6 parts
+    # (measured up to 5.07): the bound that matters is far below the file's 7 parts.
+    assert peaks["view"] < PART and 4 * PART < peaks["streamed"] < 6 * PART, peaks
     assert Storage(s3_url).read_bytes("streamed.bin", limit=SIZE) == data

@@ -121,16 +121,8 @@ def _send_parts(fs: Any, target: tuple[str, str, str], parts: "_Parts",
 
 async def _put_part(fs: Any, target: tuple[str, str, str], number: int, body: memoryview) -> dict[str, Any]:
     bucket, key, upload_id = target
-    sent = _Body(body)
-    del body
-    try:
-        out = await fs._call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number,
-                                Body=sent)
-    finally:
-        # botocore's request objects can outlive the call in reference cycles (freed only by the
-        # cyclic collector): let go of the part's memory now, so that the next part's buffer is
-        # allocated only after this one is gone (at most ``in_flight`` part buffers).
-        sent.release()
+    out = await fs._call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number,
+                            Body=_Body(body))
     return {"PartNumber": number, "ETag": out["ETag"]}
 
 
@@ -199,10 +191,6 @@ class _Body:
 
     def __len__(self) -> int:
         return len(self._data)
-
-    def release(self) -> None:
-        """Drop the part's memory (the request is over)."""
-        self._data, self._pos = memoryview(b""), 0
 
     def read(self, n: int | None = -1) -> bytes:
         end = len(self._data) if n is None or n < 0 else min(len(self._data), self._pos + n)
