@@ -41,7 +41,7 @@ from .levels.flush import FlushRecord
 from .levels.multilevel import MultiLevel
 from .persist import PersistJob, PersistWorker, SaveRecord
 from .restore_agreed import Loaded, Restored
-from .restore_exchange import Exchange, RestoreFigures
+from .restore_exchange import Exchange, RestoreFigures, Route
 from .single_level import SingleLevel
 from .snapshot import SaveHandle, Snapshots
 from .storage import Storage
@@ -102,7 +102,7 @@ class Checkpointer:
                  on_busy: Literal["wait", "skip"] = "wait", on_error: Literal["raise", "warn"] = "raise",
                  commit_timeout: float = 600.0,
                  read_threads: int | None = None, copy_threads: int | None = None, flush_retries: int = 3,
-                 readonly: bool = False, restore_route: Literal["auto", "read", "exchange"] = "auto") -> None:
+                 readonly: bool = False, restore_route: Route = "auto") -> None:
         if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
             raise ValueError(f"keep_last must be a positive integer or None, got {keep_last!r}")
         if on_busy not in ("wait", "skip"):

@@ -32,6 +32,7 @@ from typing import Any, Mapping
 import yaml
 
 from .errors import CheckpointError
+from .restore_exchange import ROUTES
 from .training.policy import Adaptive, EveryNSteps, EverySeconds, MaxInterval, Policy
 
 
@@ -144,8 +145,8 @@ class CheckpointConfig:
                                                             keep_last=self.keep_last, allow_storage=True))
         elif not _is_storage(self.path) and (not isinstance(self.path, str) or not self.path):
             raise ConfigError(f"'path' must be a non-empty string (or, in code, a Storage), got {self.path!r}")
-        _check(self.restore_route in ("auto", "read", "exchange"), "restore_route", self.restore_route,
-               "one of 'auto', 'read', 'exchange'")
+        _check(self.restore_route in ROUTES, "restore_route", self.restore_route,
+               f"one of {', '.join(map(repr, ROUTES))}")
         triggers = [k for k in ("every_n_steps", "every_seconds", "overhead_budget") if getattr(self, k) is not None]
         if len(triggers) > 1:
             raise ConfigError(f"{' and '.join(triggers)} are mutually exclusive: choose one trigger "

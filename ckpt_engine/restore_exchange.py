@@ -46,7 +46,7 @@ from .values import decode
 log = logging.getLogger("ckpt_engine.restore")
 
 Route = Literal["auto", "read", "exchange"]
-ROUTES: tuple[str, ...] = ("auto", "read", "exchange")
+ROUTES: tuple[str, ...] = Route.__args__  # type: ignore[attr-defined]
 MIN_PIECE = 1 << 20
 """Pieces smaller than this are read by every rank instead of exchanged."""
 PROBE_SHARE = 8
