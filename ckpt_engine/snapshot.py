@@ -1,13 +1,14 @@
 """Snapshot (phase 1): copy this rank's slices into a reused host buffer.
 
-This is the only part training waits for, so it does as little as possible: one ``memmove`` per
-piece on CPU, outside the GIL, or an asynchronous copy into pinned memory on a side CUDA stream,
+This is the only part training waits for, so it does as little as possible: on CPU one ``memmove``
+per run of adjacent pieces (a slice's pieces are adjacent in the buffer and in the tensor), outside
+the GIL, or an asynchronous copy into pinned memory on a side CUDA stream,
 ordered by events (cuda_copy.py). The buffer's first bytes are the rank's data file layout, so
 persist writes them unchanged.
 
 While training waits for a CPU copy, the copy may use the cores the rank has: ``copy_threads``
 threads (the checkpointer's default: this machine's cores divided among the ranks sharing it, as
-for reads), each copying a run of consecutive pieces of about equal bytes. One thread copies at
+for reads), each copying an equal share of the bytes (a call crossing a share's end is cut). One thread copies at
 most about 20 GB/s on a server core and about 6 here, so a second one pays off on any copy of more
 than a few MiB. Never more threads than that: ranks sharing the cores would fight over them, and
 the library never touches ``torch.set_num_threads``. A deferred copy (``save(defer=True)``) runs
@@ -53,6 +54,8 @@ class SaveLayout:
     local_tensors: tuple[TensorEntry, ...]
     pieces: tuple[Piece, ...]
     nbytes: int
+    spans: tuple["Span", ...] = ()
+    """The pieces merged where adjacent (see :func:`spans`): what a CPU copy calls ``memmove`` for."""
 
 
 def save_layout(enc: Encoded, lenc: Encoded, rank: int, world_size: int) -> SaveLayout:
@@ -69,7 +72,8 @@ def save_layout(enc: Encoded, lenc: Encoded, rank: int, world_size: int) -> Save
     tensors = tuple(TensorEntry(m.dtype, m.shape, o, n, c.sharding if c else None)
                     for m, o, n, c in zip(metas, plan.owner, enc.names, enc.shards))
     local = tuple(TensorEntry(dtype_name(t.dtype), tuple(t.shape), rank, n) for t, n in zip(lenc.tensors, lenc.names))
-    return SaveLayout(plan, tensors, local, pieces, nbytes)
+    merged = spans(pieces, [m.itemsize for m in metas], [t.element_size() for t in lenc.tensors])
+    return SaveLayout(plan, tensors, local, pieces, nbytes, merged)
 
 
 def layout(state_slices: Sequence[Slice], state_itemsize: Sequence[int],
@@ -97,6 +101,33 @@ def layout(state_slices: Sequence[Slice], state_itemsize: Sequence[int],
 
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class Span:
+    """Consecutive pieces of one tensor that follow each other in the buffer too (the pieces of one
+    slice): bytes ``[start_byte, start_byte + nbytes)`` of the tensor's row-major data (of its
+    chunk's, when sharded) at ``offset`` in the buffer. A CPU copy is one ``memmove`` per span."""
+
+    local: bool
+    tensor: int
+    start_byte: int
+    offset: int
+    nbytes: int
+
+
+def spans(pieces: Sequence[Piece], itemsize: Sequence[int], local_itemsize: Sequence[int]) -> tuple[Span, ...]:
+    """Pure: ``pieces`` (in buffer order) with each run of adjacent pieces of one tensor merged."""
+    out: list[Span] = []
+    for p in pieces:
+        start = p.start * (local_itemsize if p.local else itemsize)[p.tensor]
+        last = out[-1] if out else None
+        if (last is not None and (last.local, last.tensor) == (p.local, p.tensor)
+                and last.start_byte + last.nbytes == start and last.offset + last.nbytes == p.offset):
+            out[-1] = Span(p.local, p.tensor, last.start_byte, last.offset, last.nbytes + p.nbytes)
+        else:
+            out.append(Span(p.local, p.tensor, start, p.offset, p.nbytes))
+    return tuple(out)
 
 
 class HostBuffer:
@@ -193,8 +224,8 @@ class BufferPool:
 class CopyPlan:
     """What one snapshot copies, and how: made in ``save()`` (and ``reserve()``) from the tensors."""
 
-    host: tuple[tuple[Piece, torch.Tensor], ...]
-    """CPU pieces: one ``memmove`` each."""
+    host: tuple[tuple[Span, torch.Tensor], ...]
+    """CPU spans: one ``memmove`` each."""
     direct: tuple[tuple[Piece, torch.Tensor], ...]
     """Contiguous CUDA pieces: one asynchronous copy each."""
     gathers: tuple[tuple[Gather, torch.Tensor], ...]
@@ -211,15 +242,21 @@ class CopyPlan:
 
 
 def plan_copy(pieces: Sequence[Piece], nbytes: int, state: Sequence[torch.Tensor],
-              local: Sequence[torch.Tensor]) -> CopyPlan:
-    """Sort the pieces by how they are copied; staging areas go after the ``nbytes`` of the file."""
-    host, direct, gathers, devices = [], [], [], {}
+              local: Sequence[torch.Tensor], merged: Sequence[Span] | None = None) -> CopyPlan:
+    """Sort the pieces by how they are copied (CPU tensors by ``merged``, the pieces' spans, made
+    here when not given); staging areas go after the ``nbytes`` of the file."""
+    if merged is None:
+        merged = spans(pieces, [t.element_size() for t in state], [t.element_size() for t in local])
+    on_cuda = [[t.is_cuda for t in state], [t.is_cuda for t in local]]
+    host = tuple((s, (local if s.local else state)[s.tensor]) for s in merged if not on_cuda[s.local][s.tensor])
+    if not any(on_cuda[0]) and not any(on_cuda[1]):  # the common case: no piece to look at
+        return CopyPlan(host, (), (), nbytes, ())
+    direct, gathers, devices = [], [], {}
     end = _align(nbytes)
     for p in pieces:
-        src = (local if p.local else state)[p.tensor]
-        if not src.is_cuda:
-            host.append((p, src))
+        if not on_cuda[p.local][p.tensor]:
             continue
+        src = (local if p.local else state)[p.tensor]
         devices[src.device] = None
         if src.is_contiguous() or p.nbytes == 0:
             direct.append((p, src))
@@ -227,67 +264,86 @@ def plan_copy(pieces: Sequence[Piece], nbytes: int, state: Sequence[torch.Tensor
             g = Gather.plan(p, src, end)
             gathers.append((g, src))
             end += _align(g.span_bytes)
-    return CopyPlan(tuple(host), tuple(direct), tuple(gathers), end if gathers else nbytes, tuple(devices))
+    return CopyPlan(host, tuple(direct), tuple(gathers), end if gathers else nbytes, tuple(devices))
 
 
 SPLIT_MIN = 8 << 20
 """A CPU copy smaller than this stays on the calling thread (handing runs to other threads costs
 tens of microseconds)."""
 
-
-def runs(sizes: Sequence[int], parts: int) -> tuple[tuple[int, int], ...]:
-    """Cut ``sizes`` (bytes of consecutive pieces) into at most ``parts`` runs ``(start, stop)`` of
-    consecutive pieces with about equal byte sums: every piece in exactly one run, in order, no
-    empty run (fewer runs when there are fewer pieces than ``parts``)."""
-    total, n = sum(sizes), len(sizes)
-    parts = max(1, min(parts, n))
-    out, start, done = [], 0, 0
-    for k in range(1, parts):
-        goal, stop = total * k / parts, start
-        while stop < n - (parts - k) and (stop == start or done + sizes[stop] / 2 <= goal):
-            done += sizes[stop]
-            stop += 1
-        out.append((start, stop))
-        start = stop
-    out.append((start, n))
-    return tuple(out)
+Move = tuple[int, int, int]
+"""One ``memmove``: destination address, source address, bytes."""
 
 
-def _copy_run(buf: HostBuffer, pieces: Sequence[tuple[Piece, torch.Tensor]]) -> float:
-    """``memmove`` each piece into ``buf`` (ctypes releases the GIL); the thread's CPU seconds."""
+def moves(buf: HostBuffer, host: Sequence[tuple[Span, torch.Tensor]]) -> tuple[list[Move], list[torch.Tensor]]:
+    """The ``memmove`` calls that copy ``host`` into ``buf``, one per span, and the tensors they
+    read from, which the caller holds until the calls are done (a non-contiguous tensor's
+    contiguous copy exists only there). A tensor's address is resolved once per copy (a
+    non-contiguous one made contiguous once, not once per piece)."""
+    out: list[Move] = []
+    bases: dict[int, tuple[torch.Tensor, int]] = {}
+    for s, src in host:
+        base = bases.get(id(src))
+        if base is None:  # (a view's data_ptr() is of its first element: no reshape needed)
+            flat = src if src.is_contiguous() else src.contiguous()
+            base = bases[id(src)] = (flat, flat.data_ptr())
+        if s.nbytes:
+            out.append((buf.address + s.offset, base[1] + s.start_byte, s.nbytes))
+    return out, [flat for flat, _ in bases.values()]
+
+
+def split(calls: Sequence[Move], parts: int) -> list[list[Move]]:
+    """Cut ``calls`` into ``parts`` lists of consecutive bytes, each within one byte of an equal
+    share (a call crossing a boundary is cut in two), every byte in exactly one list, in order;
+    fewer lists when there are fewer bytes than ``parts``."""
+    total = sum(n for _, _, n in calls)
+    parts = max(1, min(parts, total))
+    out: list[list[Move]] = [[] for _ in range(parts)]
+    k, done = 0, 0
+    for dst, src, n in calls:
+        while n:
+            goal = total * (k + 1) // parts  # this list ends at byte ``goal``
+            take = min(n, goal - done)
+            if take:
+                out[k].append((dst, src, take))
+            dst, src, n, done = dst + take, src + take, n - take, done + take
+            if done == goal and k < parts - 1:
+                k += 1
+    return out
+
+
+def _copy_run(calls: Sequence[Move]) -> float:
+    """Each ``memmove`` of ``calls`` (ctypes releases the GIL); the thread's CPU seconds."""
     cpu = time.thread_time()
-    for p, src in pieces:
-        flat = _flat(src)
-        ctypes.memmove(buf.address + p.offset, flat.data_ptr() + p.start * flat.element_size(), p.nbytes)
+    memmove = ctypes.memmove
+    for dst, src, n in calls:
+        memmove(dst, src, n)
     return time.thread_time() - cpu
 
 
 def copy_into(buf: HostBuffer, plan: CopyPlan, origin: Origin | None,
               helpers: ThreadPoolExecutor | None = None, threads: int = 1) -> tuple[CudaCopy | None, float]:
     """Copy every piece of ``plan`` into ``buf``; with ``helpers`` and ``threads`` > 1 the CPU
-    pieces in up to ``threads`` runs, this thread taking the first. Returns the CUDA copy (or
-    ``None``) and the CPU seconds of the helper threads.
+    bytes in ``threads`` runs of equal bytes, this thread taking the first. Returns the CUDA copy
+    (or ``None``) and the CPU seconds of the helper threads.
 
     On return the CPU pieces are in the buffer; CUDA pieces are queued on a side stream after
     ``origin`` (the caller's stream at ``save()``): ``buf.event`` (also returned) orders the
     training stream after them (``order()``) and lets persist wait for them (``synchronize()``).
     """
-    host, helper_cpu = plan.host, 0.0
+    (calls, sources), helper_cpu = moves(buf, plan.host), 0.0  # ``sources`` outlive the calls
     if helpers is not None and threads > 1 and plan.host_bytes >= SPLIT_MIN:
-        cut = runs([p.nbytes for p, _ in host], threads)
-        futures = [helpers.submit(_copy_run, buf, host[a:b]) for a, b in cut[1:]]
+        cut = split(calls, threads)
+        futures = [helpers.submit(_copy_run, run) for run in cut[1:]]
         try:
-            _copy_run(buf, host[cut[0][0]:cut[0][1]])
+            _copy_run(cut[0])
         finally:
             helper_cpu = sum(f.result() for f in futures)  # every run ended before the buffer is used
     else:
-        _copy_run(buf, host)
+        _copy_run(calls)
+    del sources  # every call is done: the contiguous copies may go
     buf.event = queue(buf, plan.direct, plan.gathers, origin) if origin is not None else None
     return buf.event, helper_cpu
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return (t if t.is_contiguous() else t.contiguous()).reshape(-1)
 
 
 class Snapshots:
@@ -307,11 +363,12 @@ class Snapshots:
         """The layout of this state signature and how this state's pieces are copied."""
         key = (tuple((t.dtype, t.shape, c and (c.shape, c.box, c.replica, c.replicas, c.sharding))
                      for t, c in zip(enc.tensors, enc.shards)),
-               tuple((t.dtype, t.shape) for t in lenc.tensors))
+               tuple((t.dtype, t.shape) for t in lenc.tensors),
+               tuple(enc.names), tuple(lenc.names))  # the manifest's tensor table names the keys
         lay = self._layouts.get(key)
         if lay is None:
             lay = self._layouts[key] = save_layout(enc, lenc, self.rank, self.world_size)
-        return lay, plan_copy(lay.pieces, lay.nbytes, enc.tensors, lenc.tensors)
+        return lay, plan_copy(lay.pieces, lay.nbytes, enc.tensors, lenc.tensors, lay.spans)
 
     def take(self, buf: HostBuffer, plan: CopyPlan, record: SaveRecord,
              defer: bool) -> "Future[CudaCopy | None] | None":

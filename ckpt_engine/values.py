@@ -120,7 +120,7 @@ def encode(state: object, root: str = "state", *, sharded: bool = True) -> Encod
 
     def add_tensor(t: torch.Tensor, path: str) -> int:
         chunk = None
-        if is_dtensor(t):
+        if type(t) not in _PLAIN_TYPES and is_dtensor(t):  # a plain type is never a DTensor
             if not sharded:
                 raise UnsupportedValueError(
                     f"{path}: cannot store a DTensor in the per-rank `{root}` state (shape {list(t.shape)}, "
@@ -131,8 +131,8 @@ def encode(state: object, root: str = "state", *, sharded: bool = True) -> Encod
         refusal = tensor_refusal(t)
         if refusal is not None:
             raise UnsupportedValueError(f"{path}: cannot store {refusal}")
-        if chunk is None:
-            t = t.detach()  # a chunk is detached already
+        if chunk is None and t.requires_grad:
+            t = t.detach()  # a chunk is detached already; the copy must not be recorded by autograd
         if t.numel() > 0:
             alias = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), chunk and (chunk.shape, chunk.box))
             if alias in seen:
@@ -180,6 +180,8 @@ def encode(state: object, root: str = "state", *, sharded: bool = True) -> Encod
         )
 
     def enc_key(k: object, path: str, depth: int) -> JSON:
+        if type(k) is str:  # the common case, without building a path
+            return k
         if isinstance(k, (torch.Tensor, np.ndarray, list, dict)):
             raise UnsupportedValueError(f"{path}: dict key {k!r} is not a plain hashable value")
         return enc(k, f"{path}.<key>", depth)
@@ -200,7 +202,6 @@ _NO_DISPATCH = torch.Tensor.__torch_dispatch__
 _PLAIN_TYPES = frozenset(k for k in (torch.Tensor, torch.nn.Parameter, getattr(torch.nn, "Buffer", None))
                          if isinstance(k, type))
 _DTYPES = frozenset(TORCH_DTYPES.values())
-_DEVICES = frozenset(("cpu", "cuda"))
 _is_functional = getattr(torch, "_is_functional_tensor", lambda _: False)
 
 
@@ -208,7 +209,7 @@ def _plainly_storable(t: torch.Tensor) -> bool:
     """The common case, decided in a few attribute reads (asked for every tensor of every save):
     a plain-typed, dense, strided tensor of a named dtype on CPU or CUDA with real storage."""
     return (type(t) in _PLAIN_TYPES and t.layout is torch.strided and t.dtype in _DTYPES and not t.is_meta
-            and t.device.type in _DEVICES and not t.is_quantized and not t.is_nested and t.dim() <= MAX_NDIM
+            and (t.is_cpu or t.is_cuda) and not t.is_quantized and not t.is_nested and t.dim() <= MAX_NDIM
             and not _is_functional(t) and (t.numel() == 0 or _has_storage(t)))
 
 

@@ -256,3 +256,16 @@ def test_a_readonly_reader_never_sweeps_a_running_jobs_attempt(tmp_path):
     Checkpointer(str(tmp_path))  # a writable one is the job's next incarnation: it sweeps
     assert not in_progress.exists()
     writer.close()
+
+
+def test_the_manifest_names_each_save_s_own_keys_when_shapes_repeat(tmp_path):
+    """The save layout is cached by dtypes and shapes; a state with the same shapes under other keys
+    must still be recorded (and named in errors) under its own keys."""
+    w = torch.ones(3, 4)
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.save({"encoder": w}, 1)
+        ck.save({"decoder": w}, 2)
+        ck.wait()
+        for step, key in ((1, "encoder"), (2, "decoder")):
+            ck.load(step)
+            assert [t.name for t in ck._loaded.opened.manifest.tensors] == [f"state['{key}']"]

@@ -1,8 +1,9 @@
-"""The snapshot copy on several threads (``copy_threads``): runs of consecutive pieces of about equal
-bytes, every byte copied once, the same buffer as one thread makes, CPU seconds of every thread counted."""
+"""The snapshot copy on several threads (``copy_threads``): equal shares of the bytes, adjacent pieces
+in one call, every byte copied once, the same buffer as one thread makes, CPU seconds of every thread counted."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -11,20 +12,46 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from ckpt_engine import Checkpointer
-from ckpt_engine.snapshot import SPLIT_MIN, HostBuffer, Snapshots, copy_into, runs
+from ckpt_engine.snapshot import SPLIT_MIN, HostBuffer, Snapshots, copy_into, moves, split
 from ckpt_engine.values import encode
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(0, 1 << 22), min_size=1, max_size=60), st.integers(1, 8))
-def test_runs_cover_every_piece_once_in_order_and_balance_the_bytes(sizes, parts):
-    cut = runs(sizes, parts)
-    assert len(cut) == min(parts, len(sizes))
-    assert cut[0][0] == 0 and cut[-1][1] == len(sizes)
-    assert all(a < b for a, b in cut)  # no empty run
-    assert all(cut[i][1] == cut[i + 1][0] for i in range(len(cut) - 1))  # consecutive
-    # the slowest thread copies at most its share and one piece more
-    assert max(sum(sizes[a:b]) for a, b in cut) <= sum(sizes) / len(cut) + max(sizes)
+def test_split_copies_every_byte_once_in_order_in_equal_shares(sizes, parts):
+    calls, at = [], 0
+    for i, n in enumerate(sizes):  # sources far apart, destinations back to back
+        calls.append((at, (i + 1) << 40, n))
+        at += n
+    cut = split(calls, parts)
+    total = sum(sizes)
+    assert len(cut) == max(1, min(parts, total))
+    flat = [c for run in cut for c in run]
+    assert all(n > 0 for _, _, n in flat)  # no empty call
+    # in order, back to back in the destination: every byte exactly once
+    assert [d for d, _, _ in flat] == list(itertools.accumulate([n for _, _, n in flat], initial=0))[:len(flat)]
+    assert sum(n for _, _, n in flat) == total
+    for d, s, n in flat:  # each lies inside one original call, at its displacement (same source bytes)
+        assert any(cd <= d and d + n <= cd + cn and s - d == cs - cd for cd, cs, cn in calls)
+    shares = [sum(n for _, _, n in run) for run in cut]
+    assert max(shares) - min(shares) <= 1
+
+
+def test_moves_merge_the_pieces_of_one_slice_and_resolve_a_view_once():
+    t = torch.arange(3 * 1024 * 1024, dtype=torch.float32)  # 12 MiB: 3 pieces of 4 MiB
+    tt = torch.arange(64 * 32, dtype=torch.int64).reshape(64, 32).t()  # not contiguous
+    snaps = Snapshots(rank=0, world_size=1, max_inflight=1)
+    lay, plan = snaps.plan(encode({"t": t, "tt": tt}), encode(None, "local", sharded=False))
+    assert [s.nbytes for s, _ in plan.host] == [t.numel() * 4, tt.numel() * 8]  # 3 pieces, 1 span
+    buf = HostBuffer(plan.nbytes, pinned=False)
+    calls, sources = moves(buf, plan.host)
+    assert len(sources) == 2 and sources[1].is_contiguous()
+    del sources
+    assert [n for _, _, n in calls] == [t.numel() * 4, tt.numel() * 8]
+    copy_into(buf, plan, None)
+    assert torch.equal(buf.tensor[:t.numel() * 4].view(torch.float32), t)
+    at = plan.host[-1][0].offset
+    assert torch.equal(buf.tensor[at:at + tt.numel() * 8].view(torch.int64), tt.reshape(-1))
 
 
 def _state():
