@@ -23,6 +23,7 @@ import xxhash
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from worker_exit import leave  # noqa: E402
 from ckpt_engine import Checkpointer, TorchDistComm  # noqa: E402
 
 
@@ -197,3 +198,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave()  # worker_exit.py: no interpreter finalization once the work is done

@@ -29,6 +29,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from worker_exit import leave  # noqa: E402
 from ckpt_engine import Checkpointer, TorchDistComm, UnsupportedValueError  # noqa: E402
 from sharded_worker import _cloned, make_model, sharded_state, train  # noqa: E402
 
@@ -77,3 +78,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave()  # worker_exit.py: no interpreter finalization once the work is done

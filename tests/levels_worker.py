@@ -32,6 +32,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from worker_exit import leave  # noqa: E402
 from ckpt_engine import Checkpointer, TorchDistComm  # noqa: E402
 from ckpt_engine.format.catalog import manifest_dirs  # noqa: E402
 from ckpt_engine.storage import Storage  # noqa: E402
@@ -103,3 +104,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave()  # worker_exit.py: no interpreter finalization once the work is done

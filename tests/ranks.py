@@ -30,11 +30,12 @@ def free_port() -> int:
 def start_ranks(world: int, args: list[str], env_extra: dict | None = None,
                 worker: str = WORKER, rank_env: list[dict] | None = None) -> list[subprocess.Popen]:
     """Start ``world`` ranks of ``worker`` (dist_worker.py) with ``args``, each in its own session
-    (killable as a group); ``rank_env[r]``: more environment for rank ``r`` alone."""
+    (killable as a group), with ``faulthandler`` on (a crash prints every thread's stack); ``rank_env[r]``:
+    more environment for rank ``r`` alone."""
     port = free_port()
     procs = []
     for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+        env = dict(os.environ, PYTHONFAULTHANDLER="1", RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), **(env_extra or {}), **(rank_env[rank] if rank_env else {}))
         procs.append(subprocess.Popen([sys.executable, worker, *args], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, start_new_session=True))

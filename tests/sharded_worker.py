@@ -33,6 +33,7 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from worker_exit import leave  # noqa: E402
 from ckpt_engine import Checkpointer  # noqa: E402
 
 MODES = ("save", "load", "loop")
@@ -211,3 +212,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave()  # worker_exit.py: no interpreter finalization once the work is done
