@@ -12,6 +12,7 @@ import random
 import shutil
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence, TypeVar
 
@@ -265,20 +266,36 @@ def aligned_copy(data: memoryview) -> memoryview:
     return view
 
 
-def read_into(paths: Sequence[str], dest: memoryview) -> int:
-    """Read ``paths`` back to back into ``dest`` with ``preadv``; returns the bytes read."""
-    got = 0
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            offset = 0
-            while True:
-                n = os.preadv(fd, [dest[got:]], offset)
-                if n == 0:
-                    break
-                got, offset = got + n, offset + n
-        finally:
-            os.close(fd)
+def read_into(paths: Sequence[str], dest: memoryview, threads: int = 1) -> int:
+    """Read ``paths`` back to back into ``dest`` with ``preadv``; returns the bytes read. With
+    ``threads`` > 1 the concatenated bytes are split at equal shares, each thread reading its own
+    ranges into its own pages of ``dest``: the fastest plain read this machine does, page faults
+    spread over the cores as a threaded restore spreads them."""
+    sizes = [os.path.getsize(p) for p in paths]
+    total = sum(sizes)
+    if threads <= 1:
+        return _read_range(paths, sizes, dest, 0, total)
+    bounds = [total * i // threads for i in range(threads + 1)]
+    with ThreadPoolExecutor(threads) as pool:
+        return sum(pool.map(lambda i: _read_range(paths, sizes, dest, bounds[i], bounds[i + 1]), range(threads)))
+
+
+def _read_range(paths: Sequence[str], sizes: Sequence[int], dest: memoryview, lo: int, hi: int) -> int:
+    """Bytes ``lo:hi`` of the concatenated ``paths`` into the same bytes of ``dest``."""
+    got, start = 0, 0
+    for path, size in zip(paths, sizes):
+        a, b = max(lo, start), min(hi, start + size)
+        if a < b:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                while a < b:
+                    n = os.preadv(fd, [dest[a:b]], a - start)
+                    if n == 0:
+                        raise OSError(f"{path}: ended at byte {a - start} of {size}")
+                    a, got = a + n, got + n
+            finally:
+                os.close(fd)
+        start += size
     return got
 
 

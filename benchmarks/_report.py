@@ -32,7 +32,10 @@ NOTES = (
     "`torch.save` and Lightning run on rank 0 only; Lightning's total includes an `fsync` after `teardown()`.",
     "- Restores return new tensors, so they pay first-touch page faults; the limit is a raw read into a freshly "
     "allocated buffer. Cold: every file of the contender `fsync`ed and dropped from the page cache "
-    "(`posix_fadvise(DONTNEED)`) before each load; warm: read through once before. Best of the peer rounds.",
+    "(`posix_fadvise(DONTNEED)`) before each load; warm: read through once before. Best of the peer rounds. "
+    "The restore target: per round, our `load()` and a raw read into fresh plain memory right after each "
+    "other (alternating order; the raw read on the rank's cores, into 4 KiB or huge pages, the faster), "
+    "the median over the rounds of raw time ÷ ours (slowest rank).",
     f"- Memory: peak RSS growth (VmHWM after `malloc_trim` and a reset); {MEM_SLACK_MIB} MiB allowed for "
     "interpreter and metadata noise.",
 )
@@ -137,10 +140,16 @@ def restore_rows(w: str, agg: Agg, total: int) -> list[Row]:
         if key not in ours or raw_key not in raw_r:
             continue
         peers = {f"{LOAD_PEERS[p]} ({cache})": gbps(total, agg[p][key]) for p in LOAD_PEERS if key in agg[p]}
+        paired = agg.get("paired", {}).get(f"restore_vs_raw_{cache}_median")
         rows += [
-            _row(w, f"restore throughput, {cache} page cache", "GB/s", gbps(total, ours[key]),
+            _row(w, f"restore throughput, {cache} page cache (best of rounds)", "GB/s", gbps(total, ours[key]),
                  (f"raw read into fresh buffer ({cache})", gbps(raw_r["bytes"], raw_r[raw_key])), peers,
-                 False, "≥ 0.90 × limit", lambda o, lim: o >= 0.90 * lim),
+                 False, "info" if paired is not None else "≥ 0.90 × limit",
+                 None if paired is not None else lambda o, lim: o >= 0.90 * lim),
+            *([] if paired is None else [
+                _row(w, f"restore ÷ raw read into fresh memory just before or after it, {cache} (median of rounds)",
+                     "×", 1 / paired, ("same bytes, same moment", 1.0), {}, False, "≥ 0.90 × limit",
+                     lambda o, lim: o >= 0.90 * lim)]),
             _row(w, f"restore throughput ÷ torch.load, {cache}", "GB/s", gbps(total, ours[key]),
                  (f"torch.load ({cache})", gbps(total, agg["torch_save"][key])), peers,
                  False, "≥ 1.00 × torch.load", lambda o, lim: o >= lim),

@@ -32,6 +32,7 @@ import ctypes
 import gc
 import json
 import os
+import resource
 import shutil
 import socket
 import statistics
@@ -148,8 +149,8 @@ class RawWriter:
 def bench_raw_read(ctx: RankCtx) -> Metrics:
     """The floor of restore: ``preadv`` every rank's raw file (the whole state) into a warm buffer
     from the page cache (``load_s``), and into a freshly allocated buffer (restoring returns new
-    tensors, whose first-touch page faults a warm buffer does not pay) with the files out of the
-    page cache (``load_fresh_s``) and in it (``load_fresh_warm_s``).
+    tensors, whose first-touch page faults a warm buffer does not pay) on the rank's cores, with the
+    files out of the page cache (``load_fresh_s``) and in it (``load_fresh_warm_s``).
     """
     paths = [ctx.path(f"raw-{r}.bin") for r in range(ctx.world)]
     dest = torch.zeros(sum(os.path.getsize(p) for p in paths), dtype=torch.uint8)
@@ -157,7 +158,7 @@ def bench_raw_read(ctx: RankCtx) -> Metrics:
     warm = best_of(3, lambda: read_into(paths, view), lambda: set_page_cache(ctx, paths, cold=False))
 
     def fresh(cold: bool, allocate: Callable[[int], torch.Tensor]) -> float:
-        return best_of(3, lambda: read_into(paths, byte_view(allocate(dest.numel()))),
+        return best_of(3, lambda: read_into(paths, byte_view(allocate(dest.numel())), torch.get_num_threads()),
                        lambda: (ctx.before_load(), set_page_cache(ctx, paths, cold)))
 
     def plain(n: int) -> torch.Tensor:
@@ -219,6 +220,7 @@ def bench_ours(ctx: RankCtx) -> dict[str, Metrics]:
     raw.finish()
     rawd.finish()
     loads = best_loads(ctx, [ctx.path("ours")], ck.load)
+    paired = paired_restores(ctx, ck.load)
     if ctx.world > 1:
         loads.update(bench_routes(ctx))
     ck.close()
@@ -227,7 +229,7 @@ def bench_ours(ctx: RankCtx) -> dict[str, Metrics]:
     return {"memcpy": {"stall_s": min(memcpy), "share_bytes": buf.numel(), **_numbered(memcpy)},
             "memcpy_threads": {"stall_s": min(memcpy_t), "threads": torch.get_num_threads(), **_numbered(memcpy_t)},
             "paired": {"stall_vs_copy_median": statistics.median(
-                s["stall_s"] / m for s, m in list(zip(saves, memcpy_t))[1:] or zip(saves, memcpy_t))},
+                s["stall_s"] / m for s, m in list(zip(saves, memcpy_t))[1:] or zip(saves, memcpy_t)), **paired},
             "raw_write": {"total_first_s": writes[0], "total_s": min(writes[1:] or writes), "bytes": buf.numel(),
                           **_numbered(writes)},
             "raw_write_direct": {"total_first_s": dwrites[0], "total_s": min(dwrites[1:] or dwrites),
@@ -247,6 +249,57 @@ def best_loads(ctx: RankCtx, paths: list[str], load: Callable[[], Any]) -> Metri
         for key, value in cold_and_warm_loads(ctx, paths, load).items():
             best[key] = min(best.get(key, value), value)
     return best
+
+
+def paired_restores(ctx: RankCtx, load: Callable[[], Any]) -> Metrics:
+    """The restore target, robust to this machine's drift: ``ctx.reps`` rounds, each timing our
+    ``load()`` and a raw read of every rank's raw file (the same bytes) on the rank's cores
+    (``read_into`` with ``torch.get_num_threads()`` threads) into freshly allocated memory, the
+    faster of 4 KiB pages (``torch.empty``) and huge pages (``hugepages.empty``) as in
+    ``bench_raw_read``, right after each other in alternating order, cold
+    (``restore_vs_raw_cold_median``) and warm (``..._warm_median``): the median of the rounds' time
+    ratios, ours ÷ raw. Also each round's times (``restore_<cache>_<round>_{ours,raw}_s``) and the
+    median of our load's minor page faults (``restore_<cache>_minor_faults_median``; 262144 would be
+    1 GiB of fresh 4 KiB pages: fewer means the allocator handed back memory it had kept).
+
+    A cold read on this VM takes 0.5 to 3.4 s/GiB from one moment to the next, so two best-of
+    figures taken minutes apart (``load_s`` against ``raw_read.load_fresh_s``) say more about
+    which of them was lucky than about the engine.
+    """
+    raw = [ctx.path(f"raw-{r}.bin") for r in range(ctx.world)]
+    nbytes = sum(os.path.getsize(p) for p in raw)
+    threads = torch.get_num_threads()  # the rank's cores, as the restore's read threads
+
+    def ours(cold: bool) -> float:
+        ctx.before_load()
+        set_page_cache(ctx, [ctx.path("ours")], cold)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        seconds, loaded = timed(load)
+        minflt.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+        del loaded
+        return seconds
+
+    def limit(cold: bool) -> float:
+        def once(allocate: Callable[[tuple[int], torch.dtype], torch.Tensor]) -> float:
+            ctx.before_load()
+            set_page_cache(ctx, raw, cold)
+            dest = byte_view(allocate((nbytes,), torch.uint8))
+            return timed(lambda: read_into(raw, dest, threads))[0]
+
+        return min(once(lambda shape, dtype: torch.empty(shape, dtype=dtype)), once(hugepages.empty))  # 4 KiB, 2 MiB pages
+
+    out: Metrics = {}
+    for cache, cold in (("cold", True), ("warm", False)):
+        ratios, minflt = [], []
+        for i in range(ctx.reps):
+            first, second = (ours, limit) if i % 2 else (limit, ours)
+            a, b = first(cold), second(cold)
+            o, r = (a, b) if i % 2 else (b, a)
+            ratios.append(o / r)
+            out.update({f"restore_{cache}_{i + 1}_ours_s": o, f"restore_{cache}_{i + 1}_raw_s": r})
+        out[f"restore_vs_raw_{cache}_median"] = statistics.median(ratios)
+        out[f"restore_{cache}_minor_faults_median"] = statistics.median(minflt)
+    return out
 
 
 def bench_routes(ctx: RankCtx) -> Metrics:
