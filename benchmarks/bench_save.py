@@ -146,6 +146,28 @@ class RawWriter:
             os.replace(self.files[-1], self.ctx.path(f"raw-{self.ctx.rank}.bin"))
 
 
+def _plain_pages(n: int) -> torch.Tensor:
+    return torch.empty(n, dtype=torch.uint8)
+
+
+def _huge_pages(n: int) -> torch.Tensor:
+    return hugepages.empty((n,), torch.uint8)
+
+
+FRESH_MEMORY = (_plain_pages, _huge_pages)
+"""Fresh memory with 4 KiB pages and with huge pages: a restore's limit is the faster of the two."""
+
+
+def read_fresh(ctx: RankCtx, paths: list[str], nbytes: int, cold: bool,
+               allocate: Callable[[int], torch.Tensor]) -> float:
+    """Seconds of one raw read of ``paths`` on the rank's cores (``torch.get_num_threads()`` threads)
+    into ``allocate(nbytes)``, fresh memory (its allocation timed, as a restore's own is), the files
+    first out of the page cache (``cold``) or in it."""
+    ctx.before_load()
+    set_page_cache(ctx, paths, cold)
+    return timed(lambda: read_into(paths, byte_view(allocate(nbytes)), torch.get_num_threads()))[0]
+
+
 def bench_raw_read(ctx: RankCtx) -> Metrics:
     """The floor of restore: ``preadv`` every rank's raw file (the whole state) into a warm buffer
     from the page cache (``load_s``), and into a freshly allocated buffer (restoring returns new
@@ -157,19 +179,10 @@ def bench_raw_read(ctx: RankCtx) -> Metrics:
     view = byte_view(dest)
     warm = best_of(3, lambda: read_into(paths, view), lambda: set_page_cache(ctx, paths, cold=False))
 
-    def fresh(cold: bool, allocate: Callable[[int], torch.Tensor]) -> float:
-        return best_of(3, lambda: read_into(paths, byte_view(allocate(dest.numel())), torch.get_num_threads()),
-                       lambda: (ctx.before_load(), set_page_cache(ctx, paths, cold)))
+    def fresh(cold: bool) -> float:
+        return min(read_fresh(ctx, paths, dest.numel(), cold, allocate) for allocate in FRESH_MEMORY for _ in range(3))
 
-    def plain(n: int) -> torch.Tensor:
-        return torch.empty(n, dtype=torch.uint8)
-
-    def huge(n: int) -> torch.Tensor:
-        return hugepages.empty((n,), torch.uint8)
-
-    # Fresh memory with 4 KiB pages and with huge pages: the limit is the faster of the two.
-    out = {"load_s": warm, "load_fresh_s": min(fresh(True, plain), fresh(True, huge)),
-           "load_fresh_warm_s": min(fresh(False, plain), fresh(False, huge)), "bytes": dest.numel()}
+    out = {"load_s": warm, "load_fresh_s": fresh(True), "load_fresh_warm_s": fresh(False), "bytes": dest.numel()}
     ctx.remove("raw-")
     return out
 
@@ -254,9 +267,8 @@ def best_loads(ctx: RankCtx, paths: list[str], load: Callable[[], Any]) -> Metri
 def paired_restores(ctx: RankCtx, load: Callable[[], Any]) -> Metrics:
     """The restore target, robust to this machine's drift: ``ctx.reps`` rounds, each timing our
     ``load()`` and a raw read of every rank's raw file (the same bytes) on the rank's cores
-    (``read_into`` with ``torch.get_num_threads()`` threads) into freshly allocated memory, the
-    faster of 4 KiB pages (``torch.empty``) and huge pages (``hugepages.empty``) as in
-    ``bench_raw_read``, right after each other in alternating order, cold
+    (``read_fresh``) into freshly allocated memory, the faster of 4 KiB and huge pages
+    (``FRESH_MEMORY``) as in ``bench_raw_read``, right after each other in alternating order, cold
     (``restore_vs_raw_cold_median``) and warm (``..._warm_median``): the median of the rounds' time
     ratios, ours ÷ raw. Also each round's times (``restore_<cache>_<round>_{ours,raw}_s``) and the
     median of our load's minor page faults (``restore_<cache>_minor_faults_median``; 262144 would be
@@ -268,29 +280,23 @@ def paired_restores(ctx: RankCtx, load: Callable[[], Any]) -> Metrics:
     """
     raw = [ctx.path(f"raw-{r}.bin") for r in range(ctx.world)]
     nbytes = sum(os.path.getsize(p) for p in raw)
-    threads = torch.get_num_threads()  # the rank's cores, as the restore's read threads
+    minflt: dict[bool, list[int]] = {True: [], False: []}  # our load's minor page faults, by ``cold``
 
     def ours(cold: bool) -> float:
         ctx.before_load()
         set_page_cache(ctx, [ctx.path("ours")], cold)
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         seconds, loaded = timed(load)
-        minflt.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+        minflt[cold].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
         del loaded
         return seconds
 
     def limit(cold: bool) -> float:
-        def once(allocate: Callable[[tuple[int], torch.dtype], torch.Tensor]) -> float:
-            ctx.before_load()
-            set_page_cache(ctx, raw, cold)
-            dest = byte_view(allocate((nbytes,), torch.uint8))
-            return timed(lambda: read_into(raw, dest, threads))[0]
-
-        return min(once(lambda shape, dtype: torch.empty(shape, dtype=dtype)), once(hugepages.empty))  # 4 KiB, 2 MiB pages
+        return min(read_fresh(ctx, raw, nbytes, cold, allocate) for allocate in FRESH_MEMORY)
 
     out: Metrics = {}
     for cache, cold in (("cold", True), ("warm", False)):
-        ratios, minflt = [], []
+        ratios = []
         for i in range(ctx.reps):
             first, second = (ours, limit) if i % 2 else (limit, ours)
             a, b = first(cold), second(cold)
@@ -298,7 +304,7 @@ def paired_restores(ctx: RankCtx, load: Callable[[], Any]) -> Metrics:
             ratios.append(o / r)
             out.update({f"restore_{cache}_{i + 1}_ours_s": o, f"restore_{cache}_{i + 1}_raw_s": r})
         out[f"restore_vs_raw_{cache}_median"] = statistics.median(ratios)
-        out[f"restore_{cache}_minor_faults_median"] = statistics.median(minflt)
+        out[f"restore_{cache}_minor_faults_median"] = statistics.median(minflt[cold])
     return out
 
 

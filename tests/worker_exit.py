@@ -4,8 +4,9 @@ A worker that finished (its results written, ``destroy_process_group()`` called)
 with SIGABRT and only ``terminate called without an active exception`` on its output: seen twice in
 full suite runs (once in CI), both in 2-rank FSDP2 restores (``test_fsdp1``, ``test_sharded``), never
 in 46 reruns of those tests alone (34 with two jobs at once on the 2 cores). That is torch's gloo/C++
-threads meeting Python's finalization (pytorch/pytorch#179291, #190489), after the checks this suite makes, so the workers leave with
-``os._exit`` once their output is flushed: the exit status then says whether the work succeeded.
+threads meeting Python's finalization (pytorch/pytorch#179291, #190489), after the checks this suite
+makes, so the workers leave with ``os._exit`` once their output is flushed: the exit status then says
+whether the work succeeded.
 ``faulthandler`` (``PYTHONFAULTHANDLER=1`` from ``ranks.start_ranks``) prints every thread's stack if
 a worker still aborts earlier.
 """
