@@ -28,79 +28,88 @@ def decode(tree: JSON, tensor: Callable[[int], Any], *, count: int | None = None
     twice, a number out of its type's range, or a tree deeper than :data:`MAX_DEPTH`: a hostile
     tree never escapes as another exception, nor reads a tensor it does not name.
     """
-    prefix = f"{where}: " if where else ""
+    return _Decoder(tensor, count, where).dec(tree, 0, False)
 
-    def bad(v: JSON, why: str = "") -> Any:
-        raise FormatError(f"{prefix}malformed value node {_preview(v)}{why}")
 
-    def dec(v: JSON, depth: int, key: bool) -> object:
+class _Decoder:
+    """One :func:`decode`: methods rather than nested closures, because closures that call each
+    other form a reference cycle, and through ``tensor`` it kept every decoded tensor alive until
+    the garbage collector ran (a whole restored state, after the caller had dropped it)."""
+
+    def __init__(self, tensor: Callable[[int], Any], count: int | None, where: str) -> None:
+        self.tensor, self.count, self.where = tensor, count, where
+        self.prefix = f"{where}: " if where else ""
+
+    def bad(self, v: JSON, why: str = "") -> Any:
+        raise FormatError(f"{self.prefix}malformed value node {_preview(v)}{why}")
+
+    def dec(self, v: JSON, depth: int, key: bool) -> object:
         if v is None or isinstance(v, (bool, str, int)):
             return v
         if isinstance(v, dict) and len(v) in (1, 2) and next(iter(v)) == "$tensor":
-            return ref(v, key)
+            return self.ref(v, key)
         if not isinstance(v, (list, dict)) or (isinstance(v, dict) and len(v) != 1):
-            return bad(v)
+            return self.bad(v)
         if depth >= MAX_DEPTH and (isinstance(v, list) or next(iter(v)) in ("$tuple", "$dict", "$np")):
-            raise FormatError(f"{prefix}value tree nested deeper than {MAX_DEPTH} levels (a hostile or damaged "
-                              "checkpoint: ckpt-suite never writes one)")
+            raise FormatError(f"{self.prefix}value tree nested deeper than {MAX_DEPTH} levels (a hostile or "
+                              "damaged checkpoint: ckpt-suite never writes one)")
         if isinstance(v, list):
-            return [dec(x, depth + 1, key) for x in v]
+            return [self.dec(x, depth + 1, key) for x in v]
         tag, body = next(iter(v.items()))
         if tag == "$f":
-            return _float(body, prefix)
+            return _float(body, self.prefix)
         if tag == "$tuple" and isinstance(body, list):
-            return tuple([dec(x, depth + 1, key) for x in body])
+            return tuple([self.dec(x, depth + 1, key) for x in body])
         if tag == "$dict" and isinstance(body, list):
-            return mapping(v, body, depth + 1, key)
+            return self.mapping(v, body, depth + 1, key)
         if tag == "$np" and isinstance(body, list) and len(body) == 2 and body[0] in _NUMPY_INLINE:
-            scalar = _np_scalar(body[0], dec(body[1], depth + 1, key))
-            return bad(v, f" (not a {body[0]} value)") if scalar is None else scalar
+            scalar = _np_scalar(body[0], self.dec(body[1], depth + 1, key))
+            return self.bad(v, f" (not a {body[0]} value)") if scalar is None else scalar
         if tag == "$bytes" and isinstance(body, str):
-            return _b64(body, prefix)
+            return _b64(body, self.prefix)
         if tag == "$ndarray" and isinstance(body, dict):
-            return _dec_ndarray(body, prefix)
+            return _dec_ndarray(body, self.prefix)
         if tag == "$dtype":
-            return parse_dtype(body, where)
+            return parse_dtype(body, self.where)
         if tag == "$size" and isinstance(body, list) and len(body) <= MAX_NDIM \
                 and all(type(x) is int and 0 <= x < 1 << 63 for x in body):
             return torch.Size(body)
         if tag == "$device" and isinstance(body, str) and len(body) <= 64:
             device = _device(body)
-            return bad(v, " (not a torch device)") if device is None else device
-        return bad(v)
+            return self.bad(v, " (not a torch device)") if device is None else device
+        return self.bad(v)
 
-    def ref(v: dict, key: bool) -> object:
+    def ref(self, v: dict, key: bool) -> object:
         i = v["$tensor"]
-        if type(i) is not int or i < 0 or (count is not None and i >= count):
-            return bad(v, f": tensor index out of the table (it has {count} entries)" if count is not None else "")
+        if type(i) is not int or i < 0 or (self.count is not None and i >= self.count):
+            return self.bad(v, f": tensor index out of the table (it has {self.count} entries)"
+                            if self.count is not None else "")
         if len(v) == 2 and v.get("as") != "numpy":
-            return bad(v)
+            return self.bad(v)
         if key:
-            return bad(v, ": a tensor cannot be a dict key")
-        t = tensor(i)
+            return self.bad(v, ": a tensor cannot be a dict key")
+        t = self.tensor(i)
         if len(v) == 1:
             return t
         try:
             return t.numpy()
         except (TypeError, RuntimeError, ValueError) as e:
-            return bad(v, f": tensor {i} cannot be a NumPy array ({e})")
+            return self.bad(v, f": tensor {i} cannot be a NumPy array ({e})")
 
-    def mapping(v: JSON, pairs: list, depth: int, key: bool) -> dict:
+    def mapping(self, v: JSON, pairs: list, depth: int, key: bool) -> dict:
         out: dict = {}
         for p in pairs:
             if not isinstance(p, list) or len(p) != 2:
-                return bad(v)
-            k = dec(p[0], depth, True)
+                return self.bad(v)
+            k = self.dec(p[0], depth, True)
             try:
                 duplicate = k in out
             except TypeError:
-                return bad(v, f": dict key {_preview(p[0])} is not hashable")
+                return self.bad(v, f": dict key {_preview(p[0])} is not hashable")
             if duplicate:
-                return bad(v, f": dict key {_preview(p[0])} appears twice")
-            out[k] = dec(p[1], depth, key)
+                return self.bad(v, f": dict key {_preview(p[0])} appears twice")
+            out[k] = self.dec(p[1], depth, key)
         return out
-
-    return dec(tree, 0, False)
 
 
 def check_tree(tree: JSON, dtypes: "list[str] | tuple[str, ...]", where: str) -> None:

@@ -294,6 +294,25 @@ def split_by_bytes(sizes: Sequence[int], parts: int) -> list[int]:
     return out
 
 
+def steps(sizes: Sequence[int], step: int | None) -> list[list[tuple[int, int, int]]]:
+    """Consecutive buffers of ``sizes`` bytes cut into requests of at most ``step`` bytes (all
+    in one request when ``step`` is ``None``): each request a list of ``(buffer, start, stop)``,
+    every byte once and in order, every request full but the last."""
+    requests: list[list[tuple[int, int, int]]] = []
+    room = 0
+    for i, n in enumerate(sizes):
+        lo = 0
+        while lo < n:
+            if not requests or (step is not None and room == 0):
+                requests.append([])
+                room = step if step is not None else 0
+            hi = n if step is None else min(n, lo + room)
+            requests[-1].append((i, lo, hi))
+            room -= 0 if step is None else hi - lo
+            lo = hi
+    return requests
+
+
 def read_entries(storage: Storage, ck: Opened, jobs: Sequence[tuple[int, IndexEntry]], places: Places,
                   names: Sequence[str] | Mapping[int, str], threads: int, progress: Progress | None = None,
                   ends: dict[int, dict[IndexEntry, int]] | None = None,
@@ -316,13 +335,21 @@ def read_entries(storage: Storage, ck: Opened, jobs: Sequence[tuple[int, IndexEn
                     read_run(rank, reader, run)
 
     def read_run(rank: int, reader: Reader, run: list[IndexEntry]) -> None:
-        """One request for ``run`` (each piece into its place, its padding aside), then each verified."""
+        """``run`` (each piece into its place, its padding aside) in requests of the reader's
+        :attr:`~ckpt_engine.storage.Reader.verify_step`, each piece's checksum updated after every
+        request (verified while reading), then each checked."""
         placed = [(e, *places.destination(e), memoryview(bytearray(ends[rank][e] - e.offset - e.nbytes)))
                   for e in run]
-        reader.read_many(run[0].offset, [b for _, dest, _, pad in placed for b in (dest, pad) if len(b)])
-        for e, dest, temp, padding in placed:
-            digest = xxhash.xxh3_64(dest)
-            digest.update(padding)
+        bufs = [(k, b) for k, (_, dest, _, pad) in enumerate(placed) for b in (dest, pad) if len(b)]
+        digests = [xxhash.xxh3_64() for _ in placed]
+        at = run[0].offset
+        for request in steps([len(b) for _, b in bufs], reader.verify_step):
+            views = [(bufs[j][0], bufs[j][1][lo:hi]) for j, lo, hi in request]
+            reader.read_many(at, [v for _, v in views])
+            for k, v in views:
+                digests[k].update(v)
+            at += sum(len(v) for _, v in views)
+        for (e, dest, temp, padding), digest in zip(placed, digests):
             if digest.hexdigest() != e.xxh3:
                 raise CorruptionError(
                     f"{storage.describe(f'{dirname}/{data_file(rank)}')}: checksum mismatch in tensor "

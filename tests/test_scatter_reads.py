@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt_engine import Checkpointer, StorageError
-from ckpt_engine.restore import _runs
+from ckpt_engine import Checkpointer, CorruptionError, StorageError
+from ckpt_engine.restore import _runs, steps
 from ckpt_engine.format.manifest import IndexEntry
 from ckpt_engine.storage import Storage
 from ckpt_engine.storage import local as local_storage
@@ -92,3 +92,61 @@ def test_a_restore_of_many_small_tensors_makes_few_requests(monkeypatch):
         back = ck.load()
     assert all(torch.equal(back[k], v) for k, v in state.items())
     assert len(requests) < 40, len(requests)  # before scatter reads: 401, one per tensor
+
+
+@given(sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=30), step=st.one_of(st.none(), st.integers(1, 4000)))
+@settings(max_examples=200, deadline=None)
+def test_steps_cut_the_buffers_into_requests_of_at_most_step_bytes_in_order(sizes, step):
+    requests = steps(sizes, step)
+    cut = [(i, lo, hi) for request in requests for i, lo, hi in request]
+    # every byte of every buffer once, in order, no empty cuts and no empty requests
+    assert all(lo < hi for _, lo, hi in cut) and all(requests)
+    assert [(i, lo, hi) for i, lo, hi in cut] == sorted(cut)
+    for i, n in enumerate(sizes):
+        mine = [(lo, hi) for j, lo, hi in cut if j == i]
+        assert [lo for lo, _ in mine] == [0] + [hi for _, hi in mine[:-1]] if mine else n == 0
+        assert not mine or mine[-1][1] == n
+    if step is None:
+        assert len(requests) == (1 if sum(sizes) else 0)
+    else:
+        assert all(sum(hi - lo for _, lo, hi in r) <= step for r in requests)
+        assert len(requests) == -(-sum(sizes) // step)  # full requests: no more than the bytes need
+
+
+def test_a_local_restore_reads_and_verifies_in_cache_sized_steps(tmp_path, monkeypatch):
+    """Each request of a local restore is at most ``verify_step`` bytes and its checksum is
+    updated right after it, while the bytes are in the core's cache: hashing a whole 64 MiB run
+    after reading it cost 1.5 x the read itself here (benchmarks/README.md, session 10)."""
+    requests = []
+    real = local_storage.LocalReader._read_many
+    monkeypatch.setattr(local_storage.LocalReader, "_read_many", lambda self, offset, dests: requests.append(
+        sum(len(d) for d in dests)) or real(self, offset, dests))
+    real_one = local_storage.LocalReader._read
+    monkeypatch.setattr(local_storage.LocalReader, "_read", lambda self, offset, dest: requests.append(
+        len(dest)) or real_one(self, offset, dest))
+    state = {"weight": torch.randn(3 << 20), "bias": torch.randn(100)}
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.save(state, 1)
+        ck.wait()
+        requests.clear()
+        back = ck.load()
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+    step = local_storage.LocalReader.verify_step
+    assert step is not None and max(requests) <= step
+    assert sum(requests) >= 12 << 20 and len(requests) >= (12 << 20) // step
+
+
+def test_a_flipped_byte_in_a_later_step_is_named(tmp_path):
+    state = {"weight": torch.randn(3 << 20)}
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.save(state, 1)
+        ck.wait()
+    data = next(p for p in tmp_path.rglob("*") if p.is_file() and p.stat().st_size >= 12 << 20)
+    with open(data, "r+b") as f:
+        f.seek(10 << 20)
+        b = f.read(1)
+        f.seek(10 << 20)
+        f.write(bytes([b[0] ^ 1]))
+    named = r"rank-00000\.bin: checksum mismatch in tensor 'state\['weight'\]' \(elements 2097152:3145728"
+    with Checkpointer(str(tmp_path)) as ck, pytest.raises(CorruptionError, match=named):
+        ck.load(fallback=False)

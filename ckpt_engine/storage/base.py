@@ -229,6 +229,11 @@ class Reader(abc.ABC):
     run_max: int = COALESCE_MAX
     """The most bytes a restore asks of one :meth:`read_many` (neighbouring pieces together)."""
 
+    verify_step: int | None = None
+    """The most bytes a restore asks of one request when it verifies while reading: each step's
+    checksum is updated right after the step lands, while its bytes are still in the core's cache.
+    ``None``: one request per run (where each request costs a round trip, as on object stores)."""
+
     def __init__(self, storage: Storage, rel: str) -> None:
         self._storage, self._rel = storage, rel
 
