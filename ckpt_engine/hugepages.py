@@ -3,9 +3,10 @@
 A first save (or ``reserve()``) allocates its snapshot buffer and zero-fills it at once, and with
 4 KiB pages that first touch (a page fault per page, the kernel zeroing it) is most of the cost:
 on the VMs this was measured on, 1 GiB allocated and filled in 0.264 s through 4 KiB faults against
-0.074 s with 2 MiB pages (median of 10 alternated). Restored tensors are left on 4 KiB pages:
-reading a cold file into huge pages was 2.9 x slower there (1.86 s against 0.65 s per GiB, the
-kernel assembling huge pages while the page cache fills), though 1.8 x faster from the cache. Linux
+0.074 s with 2 MiB pages (median of 10 alternated). Restored tensors are filled the same way:
+1 GiB read from the page cache into huge pages took 0.31 s against 0.61 s into 4 KiB pages, from
+the device 0.75 against 0.81 s (median of 6 alternated, 2 threads; an earlier kernel on these VMs
+had made the cold case 2.9 x slower, which no longer shows). Linux
 backs an anonymous mapping with huge pages where it is advised to (``madvise(MADV_HUGEPAGE)``, the
 ``madvise`` mode of ``/sys/kernel/mm/transparent_hugepage/enabled``, the common default), so
 :func:`empty` advises the 2 MiB-aligned interior of each large allocation before anything touches
