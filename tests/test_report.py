@@ -97,3 +97,18 @@ def test_missing_markers_append_and_broken_json_is_reported(report, tmp_path, ca
     assert report.main(["--from-json", "--out", str(tmp_path / "empty"), "--readme", str(readme)]) == 2
     with pytest.raises(SystemExit):
         report.main(["--only", "nope", "--from-json"])
+
+
+def test_the_persist_target_is_paired_round_by_round(monkeypatch):
+    """Each round's faster raw write (buffered or direct) ÷ our time after the stall in the same
+    round, the median over saves 2..N; the first save (buffer allocation) is left out."""
+    monkeypatch.syspath_prepend(os.path.join(HERE, "..", "benchmarks"))
+    _report = importlib.import_module("_report")
+    agg = {"ours": {"rep1_after_stall_s": 9.0, "rep2_after_stall_s": 1.0, "rep3_after_stall_s": 2.0,
+                    "rep4_after_stall_s": 1.0},
+           "raw_write": {"rep1_s": 1.0, "rep2_s": 1.2, "rep3_s": 1.0, "rep4_s": 0.5},
+           "raw_write_direct": {"rep1_s": 1.0, "rep2_s": 0.9, "rep3_s": 3.0, "rep4_s": 0.8}}
+    assert _report.paired_persist(agg) == pytest.approx(0.5)  # ratios 0.9, 0.5, 0.5
+    (row,) = _report.paired_persist_rows("1", agg)
+    assert row.passed is False and row.target == "≥ 0.90 × limit"
+    assert _report.paired_persist({"ours": {"after_stall_s": 1.0}}) is None
