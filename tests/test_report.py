@@ -112,3 +112,18 @@ def test_the_persist_target_is_paired_round_by_round(monkeypatch):
     (row,) = _report.paired_persist_rows("1", agg)
     assert row.passed is False and row.target == "≥ 0.90 × limit"
     assert _report.paired_persist({"ours": {"after_stall_s": 1.0}}) is None
+
+
+def test_stall_scaling_is_judged_against_the_fastest_copy_s_own_scaling(monkeypatch):
+    """A 1-rank save copies on every core, so two ranks on the same cores can only scale as that
+    copy does: the limit is the fastest copy at 2 ranks ÷ the fastest at 1 rank."""
+    monkeypatch.syspath_prepend(os.path.join(HERE, "..", "benchmarks"))
+    _report = importlib.import_module("_report")
+    peers = {p: {} for p in _report.PEERS}
+    one = {"ours": {"stall_s": 0.10}, "memcpy": {"stall_s": 0.15}, "memcpy_threads": {"stall_s": 0.09}, **peers}
+    two = {"ours": {"stall_s": 0.105}, "memcpy": {"stall_s": 0.095}, "memcpy_threads": {"stall_s": 0.099}, **peers}
+    row = _report.scaling_row(one, two)
+    assert row.limit == pytest.approx(0.095 / 0.09) and row.ours == pytest.approx(1.05)
+    assert row.passed is True  # 1.05 ≤ 1.10 × 1.056
+    two["ours"]["stall_s"] = 0.12
+    assert _report.scaling_row(one, two).passed is False
