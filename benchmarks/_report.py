@@ -6,8 +6,10 @@ plain quotients of the displayed values (for times lower is better, for GB/s hig
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
@@ -84,6 +86,7 @@ def _row(world: str, metric: str, unit: str, ours: float, limit: tuple[str, floa
 def world_rows(world: int, agg: Agg) -> list[Row]:
     """Stall, time to committed, persist throughput, restore throughput and memory for one world size."""
     w, ours, total = str(world), agg["ours"], agg["state"]["bytes"]
+    persist_ratio = paired_persist(agg)
     share = ours["share_bytes"]
     stall_peers = {PEERS[p]: agg[p]["stall_s"] * 1e3 for p in PEERS if "stall_s" in agg[p]}
     # The copy limit, measured both ways: one memmove, and the same bytes split over the rank's cores.
@@ -112,9 +115,9 @@ def world_rows(world: int, agg: Agg) -> list[Row]:
              gbps(share, ours.get("after_stall_s", ours["total_s"])),
              (raw_name, gbps(raw_w["bytes"], raw_w["total_s"])),
              {PEERS[p]: gbps(total // world, agg[p]["total_s"]) for p in PEERS if "total_s" in agg[p]},
-             False, *(("info", None) if paired_persist(agg) is not None else
+             False, *(("info", None) if persist_ratio is not None else
                       ("≥ 0.90 × limit", lambda o, lim: o >= 0.90 * lim))),
-        *paired_persist_rows(w, agg),
+        *paired_persist_rows(w, persist_ratio),
         *restore_rows(w, agg, total),
         _row(w, "peak extra host memory (1 in-flight snapshot)", "MiB", ours["mem_extra_bytes"] / MiB,
              ("rank share", share / MiB),
@@ -140,18 +143,14 @@ def paired_persist(agg: Agg) -> float | None:
     without per-round figures. One save's disk time drifts 1.0-1.8 s per GiB here from round to
     round, so two best-of figures mostly say which side was lucky."""
     ours, buffered, direct = agg["ours"], agg.get("raw_write", {}), agg.get("raw_write_direct", {})
-    rounds = [i for i in range(2, 1000) if f"rep{i}_after_stall_s" in ours and f"rep{i}_s" in buffered
-              and f"rep{i}_s" in direct]
-    if not rounds:
-        return None
-    ratios = sorted(min(buffered[f"rep{i}_s"], direct[f"rep{i}_s"]) / ours[f"rep{i}_after_stall_s"] for i in rounds)
-    middle = len(ratios) // 2
-    return ratios[middle] if len(ratios) % 2 else (ratios[middle - 1] + ratios[middle]) / 2
+    rounds = itertools.takewhile(lambda i: f"rep{i}_after_stall_s" in ours, itertools.count(2))
+    ratios = [min(buffered[f"rep{i}_s"], direct[f"rep{i}_s"]) / ours[f"rep{i}_after_stall_s"] for i in rounds
+              if f"rep{i}_s" in buffered and f"rep{i}_s" in direct]
+    return statistics.median(ratios) if ratios else None
 
 
-def paired_persist_rows(w: str, agg: Agg) -> list[Row]:
-    """The row of :func:`paired_persist`, when the run has its figures."""
-    ratio = paired_persist(agg)
+def paired_persist_rows(w: str, ratio: float | None) -> list[Row]:
+    """The row of :func:`paired_persist`'s ``ratio``, when the run has its figures."""
     if ratio is None:
         return []
     return [_row(w, "persist ÷ raw write + fsync of the same round (median of saves 2..N)", "×", ratio,

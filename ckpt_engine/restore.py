@@ -298,17 +298,20 @@ def steps(sizes: Sequence[int], step: int | None) -> list[list[tuple[int, int, i
     """Consecutive buffers of ``sizes`` bytes cut into requests of at most ``step`` bytes (all
     in one request when ``step`` is ``None``): each request a list of ``(buffer, start, stop)``,
     every byte once and in order, every request full but the last."""
+    if step is None:
+        whole = [(i, 0, n) for i, n in enumerate(sizes) if n]
+        return [whole] if whole else []
     requests: list[list[tuple[int, int, int]]] = []
     room = 0
     for i, n in enumerate(sizes):
         lo = 0
         while lo < n:
-            if not requests or (step is not None and room == 0):
+            if room == 0:
                 requests.append([])
-                room = step if step is not None else 0
-            hi = n if step is None else min(n, lo + room)
+                room = step
+            hi = min(n, lo + room)
             requests[-1].append((i, lo, hi))
-            room -= 0 if step is None else hi - lo
+            room -= hi - lo
             lo = hi
     return requests
 
@@ -349,7 +352,7 @@ def read_entries(storage: Storage, ck: Opened, jobs: Sequence[tuple[int, IndexEn
             for k, v in views:
                 digests[k].update(v)
             at += sum(len(v) for _, v in views)
-        for (e, dest, temp, padding), digest in zip(placed, digests):
+        for (e, _, temp, _), digest in zip(placed, digests):
             if digest.hexdigest() != e.xxh3:
                 raise CorruptionError(
                     f"{storage.describe(f'{dirname}/{data_file(rank)}')}: checksum mismatch in tensor "
