@@ -100,35 +100,34 @@ def test_missing_markers_append_and_broken_json_is_reported(report, tmp_path, ca
 
 
 @pytest.fixture
-def rows(monkeypatch):
+def save_rows(monkeypatch):
     """benchmarks/_report.py, which turns bench_save's figures into rows and targets."""
     monkeypatch.syspath_prepend(os.path.join(HERE, "..", "benchmarks"))
     return importlib.import_module("_report")
 
 
-def test_the_persist_target_is_paired_round_by_round(rows):
+def test_the_persist_target_is_paired_round_by_round(save_rows):
     """Each round's faster raw write (buffered or direct) ÷ our time after the stall in the same
     round, the median over saves 2..N; the first save (buffer allocation) is left out."""
-    _report = rows
     agg = {"ours": {"rep1_after_stall_s": 9.0, "rep2_after_stall_s": 1.0, "rep3_after_stall_s": 2.0,
                     "rep4_after_stall_s": 1.0},
            "raw_write": {"rep1_s": 1.0, "rep2_s": 1.2, "rep3_s": 1.0, "rep4_s": 0.5},
            "raw_write_direct": {"rep1_s": 1.0, "rep2_s": 0.9, "rep3_s": 3.0, "rep4_s": 0.8}}
-    assert _report.paired_persist(agg) == pytest.approx(0.5)  # ratios 0.9, 0.5, 0.5
-    (row,) = _report.paired_persist_rows("1", _report.paired_persist(agg))
+    ratio = save_rows.paired_persist(agg)
+    assert ratio == pytest.approx(0.5)  # ratios 0.9, 0.5, 0.5
+    (row,) = save_rows.paired_persist_rows("1", ratio)
     assert row.passed is False and row.target == "≥ 0.90 × limit"
-    assert _report.paired_persist({"ours": {"after_stall_s": 1.0}}) is None
+    assert save_rows.paired_persist({"ours": {"after_stall_s": 1.0}}) is None
 
 
-def test_stall_scaling_is_judged_against_the_fastest_copy_s_own_scaling(rows):
+def test_stall_scaling_is_judged_against_the_fastest_copy_s_own_scaling(save_rows):
     """A 1-rank save copies on every core, so two ranks on the same cores can only scale as that
     copy does: the limit is the fastest copy at 2 ranks ÷ the fastest at 1 rank."""
-    _report = rows
-    peers = {p: {} for p in _report.PEERS}
+    peers = {p: {} for p in save_rows.PEERS}
     one = {"ours": {"stall_s": 0.10}, "memcpy": {"stall_s": 0.15}, "memcpy_threads": {"stall_s": 0.09}, **peers}
     two = {"ours": {"stall_s": 0.105}, "memcpy": {"stall_s": 0.095}, "memcpy_threads": {"stall_s": 0.099}, **peers}
-    row = _report.scaling_row(one, two)
+    row = save_rows.scaling_row(one, two)
     assert row.limit == pytest.approx(0.095 / 0.09) and row.ours == pytest.approx(1.05)
     assert row.passed is True  # 1.05 ≤ 1.10 × 1.056
     two["ours"]["stall_s"] = 0.12
-    assert _report.scaling_row(one, two).passed is False
+    assert save_rows.scaling_row(one, two).passed is False
