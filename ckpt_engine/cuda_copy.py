@@ -37,7 +37,7 @@ import torch
 from .sharding.boxes import Box, index_boxes
 
 if TYPE_CHECKING:
-    from .snapshot import HostBuffer, Piece
+    from .snapshot import HostBuffer, Span
 
 
 def storage_span(boxes: Iterable[Box], stride: Sequence[int], offset: int) -> tuple[int, int]:
@@ -76,11 +76,13 @@ class Gather:
         return self.count * self.dtype.itemsize
 
     @staticmethod
-    def plan(piece: "Piece", src: torch.Tensor, staging: int) -> "Gather":
-        boxes = index_boxes(tuple(src.shape), piece.start, piece.stop)
+    def plan(offset: int, start: int, stop: int, src: torch.Tensor, staging: int) -> "Gather":
+        """Elements ``[start, stop)`` of ``src`` in row-major order, placed at byte ``offset`` of the
+        buffer, staged at byte ``staging``. Pure (reads only ``src``'s shape and strides)."""
+        boxes = index_boxes(tuple(src.shape), start, stop)
         lo, hi = storage_span(boxes, src.stride(), src.storage_offset())
-        return Gather(piece.offset, piece.nbytes, staging, lo, hi - lo, src.storage_offset() - lo, tuple(src.stride()),
-                      src.dtype, boxes)
+        return Gather(offset, (stop - start) * src.element_size(), staging, lo, hi - lo, src.storage_offset() - lo,
+                      tuple(src.stride()), src.dtype, boxes)
 
     def stage(self, buf: torch.Tensor, src: torch.Tensor) -> None:
         """Copy the span of ``src`` into the staging area (one contiguous copy: no temporary)."""
@@ -151,27 +153,30 @@ class CudaCopy:
             self._finished = True
 
 
-def queue(buf: "HostBuffer", direct: Sequence[tuple["Piece", torch.Tensor]],
+def queue(buf: "HostBuffer", direct: Sequence[tuple["Span", torch.Tensor]],
           gathers: Sequence[tuple[Gather, torch.Tensor]], origin: Origin) -> CudaCopy:
-    """Queue every CUDA piece's copy on its device's side stream, after ``origin``'s event.
+    """Queue every CUDA span's copy on its device's side stream, after ``origin``'s event.
 
-    ``record_stream`` keeps the caching allocator from handing a source's memory out again (when
-    the training thread drops the last reference) before the side stream has read it.
+    ``record_stream`` (once per tensor) keeps the caching allocator from handing a source's memory
+    out again (when the training thread drops the last reference) before the side stream read it.
     """
     done = {}
     for dev, ready in origin.ready.items():
         side = _side_stream(dev)
         side.wait_event(ready)
+        recorded: set[int] = set()
         with torch.cuda.stream(side):
-            for p, src in direct:
+            for s, src in direct:
                 if src.device == dev:
-                    flat = src.reshape(-1)
-                    buf.tensor[p.offset:p.offset + p.nbytes].view(src.dtype).copy_(flat[p.start:p.stop],
-                                                                                    non_blocking=True)
-                    src.record_stream(side)
+                    item = src.element_size()
+                    part = src.reshape(-1)[s.start_byte // item:(s.start_byte + s.nbytes) // item]
+                    buf.tensor[s.offset:s.offset + s.nbytes].view(src.dtype).copy_(part, non_blocking=True)
             for g, src in gathers:
                 if src.device == dev:
                     g.stage(buf.tensor, src)
+            for _, src in (*direct, *gathers):
+                if src.device == dev and id(src) not in recorded:
+                    recorded.add(id(src))
                     src.record_stream(side)
             done[dev] = torch.cuda.Event(blocking=True)  # the persist thread sleeps in synchronize()
             done[dev].record(side)

@@ -226,10 +226,10 @@ class CopyPlan:
 
     host: tuple[tuple[Span, torch.Tensor], ...]
     """CPU spans: one ``memmove`` each."""
-    direct: tuple[tuple[Piece, torch.Tensor], ...]
-    """Contiguous CUDA pieces: one asynchronous copy each."""
+    direct: tuple[tuple[Span, torch.Tensor], ...]
+    """Contiguous CUDA spans: one asynchronous copy each (not one per 4 MiB piece)."""
     gathers: tuple[tuple[Gather, torch.Tensor], ...]
-    """Non-contiguous CUDA pieces: their storage span to a staging area, gathered on the host."""
+    """Non-contiguous CUDA spans: the storage they touch to a staging area, gathered on the host."""
     nbytes: int
     """Host buffer bytes: the data file's, then the staging areas."""
     devices: tuple[torch.device, ...]
@@ -243,8 +243,13 @@ class CopyPlan:
 
 def plan_copy(pieces: Sequence[Piece], nbytes: int, state: Sequence[torch.Tensor],
               local: Sequence[torch.Tensor], merged: Sequence[Span] | None = None) -> CopyPlan:
-    """Sort the pieces by how they are copied (CPU tensors by ``merged``, the pieces' spans, made
-    here when not given); staging areas go after the ``nbytes`` of the file."""
+    """Sort the pieces by how they are copied, a span (``merged``: the pieces merged where adjacent,
+    made here when not given) at a time; staging areas go after the ``nbytes`` of the file.
+
+    By spans on the device too: a piece of a transposed tensor touches nearly all of its storage,
+    so staging per piece would copy the storage once per 4 MiB piece (a 256 MiB transpose: 64 x).
+    Empty spans copy nothing but still name their device (the copy is ordered after it all the same).
+    """
     if merged is None:
         merged = spans(pieces, [t.element_size() for t in state], [t.element_size() for t in local])
     on_cuda = [[t.is_cuda for t in state], [t.is_cuda for t in local]]
@@ -253,15 +258,18 @@ def plan_copy(pieces: Sequence[Piece], nbytes: int, state: Sequence[torch.Tensor
         return CopyPlan(host, (), (), nbytes, ())
     direct, gathers, devices = [], [], {}
     end = _align(nbytes)
-    for p in pieces:
-        if not on_cuda[p.local][p.tensor]:
+    for s in merged:
+        if not on_cuda[s.local][s.tensor]:
             continue
-        src = (local if p.local else state)[p.tensor]
+        src = (local if s.local else state)[s.tensor]
         devices[src.device] = None
-        if src.is_contiguous() or p.nbytes == 0:
-            direct.append((p, src))
+        if s.nbytes == 0:
+            continue
+        if src.is_contiguous():
+            direct.append((s, src))
         else:
-            g = Gather.plan(p, src, end)
+            item = src.element_size()
+            g = Gather.plan(s.offset, s.start_byte // item, (s.start_byte + s.nbytes) // item, src, end)
             gathers.append((g, src))
             end += _align(g.span_bytes)
     return CopyPlan(host, tuple(direct), tuple(gathers), end if gathers else nbytes, tuple(devices))

@@ -205,6 +205,7 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("ckpt")
     p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--accelerator", default="cpu", help="cpu, or gpu (tests/test_gpu.py)")
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--max-steps", type=int, default=40)
     p.add_argument("--every", type=int, default=5)
@@ -237,7 +238,7 @@ def main() -> None:
     if args.model_checkpoint:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=os.path.join(args.out, "mc"), monitor="loss",
                                                       save_top_k=2, every_n_train_steps=4))
-    trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy(args),
+    trainer = pl.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy(args),
                          max_steps=args.max_steps,
                          callbacks=callbacks, logger=pl.loggers.CSVLogger(args.out, name=args.tag),
                          enable_progress_bar=False, enable_model_summary=False,

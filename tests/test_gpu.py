@@ -25,6 +25,7 @@ import ckpt_engine.snapshot as snapshot_module
 from ckpt_engine import Checkpointer
 from ckpt_engine.cuda_copy import Gather, capture
 from ckpt_engine.sharding.boxes import index_boxes
+from ckpt_engine.plan import Slice
 from ckpt_engine.snapshot import HostBuffer, Piece, copy_into, layout, plan_copy
 from helpers import assert_same
 
@@ -295,6 +296,51 @@ def test_local_cuda_tensors_per_rank(tmp_path):
         assert_same(ck.load_local(), expect_local)
 
 
+@cuda
+def test_large_transposed_tensor_is_staged_once_and_restored_bitwise(tmp_path):
+    """A 64 MiB transpose (16 pieces of 4 MiB): the pinned buffer holds the file and one staging
+    area of its storage, not one per piece (which was 16 x its storage)."""
+    state = {"t": torch.randn(2048, 8192, device="cuda").t(), "w": torch.randn(5 << 20, device="cuda")}
+    expect = to_cpu(state)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    with Checkpointer(str(tmp_path), max_inflight=1) as ck:
+        ck.save(state, 1)
+        state["t"].add_(1)
+        ck.wait()
+        (buf,) = ck._pool._free
+        assert buf.capacity <= nbytes + state["t"].numel() * 4 + (1 << 20), (buf.capacity, nbytes)
+        assert_same(ck.load(), expect)
+
+
+@cuda
+def test_load_into_cuda_tensors_fills_them_in_place(tmp_path):
+    """``load(into=)`` a state on the GPU (as FSDP2 users restore): every tensor, contiguous or not,
+    is filled in its own device memory, bit for bit."""
+    state = cuda_state()
+    expect = to_cpu(state)
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.save(state, 1)
+        ck.wait()
+        into = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        into["t"] = torch.zeros(64, 48, device="cuda").t()  # non-contiguous targets
+        into["strided"] = torch.zeros(40, 60, device="cuda")[:, ::3]
+        into["meta"] = {"lr": 0.0, "name": ""}
+        where = {k: v.data_ptr() for k, v in into.items() if isinstance(v, torch.Tensor)}
+        out = ck.load(into=into)
+        torch.cuda.synchronize()
+    assert all(out[k].device.type == "cuda" and out[k].data_ptr() == p for k, p in where.items())
+    assert_same(to_cpu(out), expect)
+
+
+@cuda
+def test_lightning_job_on_the_gpu_killed_and_resumed_is_bitwise_identical(tmp_path):
+    """The callback on one GPU (the snapshot of CUDA parameters and Adam moments, the CUDA RNG that
+    dropout draws from): SIGKILLed mid-epoch after step 23, resumed from step 20, the job ends with
+    the weights of an uninterrupted one, bit for bit."""
+    from lightning_jobs import killed_and_resumed
+
+    killed_and_resumed(tmp_path, ["--devices", "1", "--accelerator", "gpu"], 23, (20,))
+
 _CPU_LOADER = """
 import sys, torch
 from ckpt_engine import Checkpointer
@@ -394,8 +440,7 @@ def test_gather_places_any_slice_of_a_strided_tensor():
         flat = src.reshape(-1)
         for start, stop in [(0, n), (0, 1), (n - 1, n), (n // 3, 2 * n // 3 + 1), (7, n - 5)]:
             nbytes = (stop - start) * src.element_size()
-            piece = Piece(False, 0, start, stop, 64, nbytes)
-            g = Gather.plan(piece, src, 64 + -(-nbytes // 64) * 64)
+            g = Gather.plan(64, start, stop, src, 64 + -(-nbytes // 64) * 64)
             assert g.span_bytes <= src.untyped_storage().nbytes()
             buf = torch.zeros(g.staging + g.span_bytes, dtype=torch.uint8)
             g.stage(buf, src)
@@ -408,7 +453,7 @@ def test_gather_span_is_tight_for_the_outer_rows():
     """A rank's slice of a channels_last weight (whole outer rows) copies only its rows' storage."""
     src = torch.randn(8, 4, 5, 6).to(memory_format=torch.channels_last)
     row = 4 * 5 * 6
-    g = Gather.plan(Piece(False, 0, 2 * row, 5 * row, 0, 3 * row * 4), src, 0)
+    g = Gather.plan(0, 2 * row, 5 * row, src, 0)
     assert g.span_bytes == 3 * row * 4
 
 
@@ -424,6 +469,38 @@ def test_plan_on_cpu_copies_on_the_host_and_captures_no_stream():
     assert copy_into(buf, plan, None) == (None, 0.0) and buf.event is None
     for p, t in zip(pieces, state):
         assert torch.equal(buf.tensor[p.offset:p.offset + p.nbytes].view(t.dtype), t.reshape(-1))
+
+
+class _OnDevice(torch.Tensor):
+    """A CPU tensor that the copy planner takes for a CUDA one (``is_cuda``): planning needs no device."""
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+
+def test_device_plan_stages_a_non_contiguous_tensor_once_and_copies_a_slice_in_one_call():
+    """A tensor of many pieces (4 MiB each) is copied per span, not per piece: one device-to-host
+    copy for a contiguous slice, and one staging area, of its storage span, for a strided one. Found
+    by arithmetic: a 256 MiB transposed tensor saved in 64 pieces staged 64 x its storage (16 GiB of
+    pinned memory, copied over PCIe), because each piece of a transpose touches nearly all of it."""
+    big = (1 << 22) + 3  # 16 MiB of float32 and a bit: 5 pieces, the last short
+    state = [torch.randn(big).as_subclass(_OnDevice),
+             torch.randn(1024, (big + 1023) // 1024).t().as_subclass(_OnDevice),
+             torch.randn(3, 5).t()]  # a CPU tensor beside them
+    pieces, nbytes = layout([Slice(i, 0, t.numel()) for i, t in enumerate(state)], [4, 4, 4], [])
+    assert sum(p.tensor == 1 for p in pieces) == 5
+    plan = plan_copy(pieces, nbytes, state, [])
+    assert [(s.tensor, s.start_byte, s.nbytes) for s, _ in plan.direct] == [(0, 0, big * 4)]
+    assert len(plan.gathers) == 1
+    g, src = plan.gathers[0]
+    assert g.span_bytes == src.untyped_storage().nbytes() and g.nbytes == src.numel() * 4
+    assert plan.nbytes <= nbytes + g.span_bytes + 64
+    assert [s.tensor for s, _ in plan.host] == [2]
+    buf = HostBuffer(plan.nbytes, pinned=False)  # the host half of the gather, run on CPU
+    g.stage(buf.tensor, src)
+    g.finish(buf.tensor)
+    assert torch.equal(buf.tensor[g.offset:g.offset + g.nbytes].view(torch.float32), src.reshape(-1))
 
 
 def test_deferred_save_on_cpu_waits_for_the_copy_before_the_next_step(tmp_path, monkeypatch):
