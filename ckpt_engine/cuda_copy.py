@@ -161,26 +161,54 @@ def queue(buf: "HostBuffer", direct: Sequence[tuple["Span", torch.Tensor]],
     out again (when the training thread drops the last reference) before the side stream read it.
     """
     done = {}
+    one_device = len(origin.ready) == 1
     for dev, ready in origin.ready.items():
         side = _side_stream(dev)
         side.wait_event(ready)
-        recorded: set[int] = set()
+        dsts, srcs, sources = [], [], {}
+        for s, src in direct:
+            if one_device or src.device == dev:
+                dst, part = _pair(buf, s, src)
+                dsts.append(dst)
+                srcs.append(part)
+                sources[id(src)] = src
         with torch.cuda.stream(side):
-            for s, src in direct:
-                if src.device == dev:
-                    item = src.element_size()
-                    part = src.reshape(-1)[s.start_byte // item:(s.start_byte + s.nbytes) // item]
-                    buf.tensor[s.offset:s.offset + s.nbytes].view(src.dtype).copy_(part, non_blocking=True)
+            _copy_all(dsts, srcs)
             for g, src in gathers:
-                if src.device == dev:
+                if one_device or src.device == dev:
                     g.stage(buf.tensor, src)
-            for _, src in (*direct, *gathers):
-                if src.device == dev and id(src) not in recorded:
-                    recorded.add(id(src))
-                    src.record_stream(side)
+                    sources[id(src)] = src
+            for src in sources.values():
+                src.record_stream(side)
             done[dev] = torch.cuda.Event(blocking=True)  # the persist thread sleeps in synchronize()
             done[dev].record(side)
     return CudaCopy(origin, done, buf.tensor, [g for g, _ in gathers])
+
+
+def _pair(buf: "HostBuffer", s: "Span", src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The destination in ``buf`` and the source of span ``s`` of the contiguous ``src``: a whole
+    tensor is copied as it is, into a view of its shape (kept by ``buf``: made once per layout);
+    a slice (a rank's part of a split tensor) as a flat range."""
+    if s.start_byte == 0 and s.nbytes == src.numel() * src.element_size():
+        return buf.view_of(s.offset, src.dtype, src.shape), src
+    item = src.element_size()
+    start = s.start_byte // item
+    return buf.view_of(s.offset, src.dtype, (s.nbytes // item,)), src.view(-1)[start:start + s.nbytes // item]
+
+
+_FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
+
+
+def _copy_all(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """``dsts[i].copy_(srcs[i], non_blocking=True)`` for every ``i``, in one call where this torch
+    has ``_foreach_copy_`` (its loop runs in C++), else in a Python loop."""
+    if not dsts:
+        return
+    if _FOREACH_COPY is not None:
+        _FOREACH_COPY(dsts, srcs, non_blocking=True)
+        return
+    for dst, src in zip(dsts, srcs):
+        dst.copy_(src, non_blocking=True)
 
 
 _SIDE_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
+from math import prod
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
 
 PAGE = 4096
 """Host buffers start at a multiple of this (the block alignment direct I/O needs)."""
+VIEWS_KEPT = 1 << 16
+"""At most this many destination views per buffer (:meth:`HostBuffer.view_of`): a few MiB."""
 PIECE_BYTES = 4 << 20
 """A slice longer than this is stored as several pieces, each under its own checksum, so that a
 reader needing part of it (another world size, another sharding) reads and verifies about what it
@@ -146,6 +149,20 @@ class HostBuffer:
         self.address = self.tensor.data_ptr()
         self.event: CudaCopy | None = None
         """The CUDA copy into this buffer of the snapshot in it (persist calls ``synchronize()``)."""
+        self._views: dict[tuple, torch.Tensor] = {}
+
+    def view_of(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """The bytes at ``offset`` as a tensor of ``dtype`` and ``shape``, made once and kept (the
+        destination of a CUDA copy: the same each save of a layout, and making it costs more than
+        queuing the copy). Forgets all when it holds too many (layouts that keep changing)."""
+        key = (offset, dtype, shape)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= VIEWS_KEPT:
+                self._views.clear()
+            n = prod(shape) * dtype.itemsize
+            view = self._views[key] = self.tensor[offset:offset + n].view(dtype).view(shape)
+        return view
 
     @property
     def capacity(self) -> int:

@@ -503,6 +503,28 @@ def test_device_plan_stages_a_non_contiguous_tensor_once_and_copies_a_slice_in_o
     assert torch.equal(buf.tensor[g.offset:g.offset + g.nbytes].view(torch.float32), src.reshape(-1))
 
 
+def test_copy_destinations_are_views_of_the_buffer_made_once_per_layout(monkeypatch):
+    """The destination of a CUDA span's copy (cuda_copy._pair), run on CPU tensors: a whole tensor
+    goes as it is into a view of its shape, a rank's slice of one as a flat range; the views are
+    the buffer's own memory, kept across saves, and forgotten past ``VIEWS_KEPT``."""
+    from ckpt_engine.cuda_copy import _copy_all, _pair
+    from ckpt_engine.snapshot import Span
+
+    w, b = torch.randn(6, 5), torch.arange(7, dtype=torch.int16)
+    buf = HostBuffer(4096, pinned=False)
+    whole, part = Span(False, 0, 0, 0, 120), Span(False, 1, 4, 512, 6)
+    pairs = [_pair(buf, whole, w), _pair(buf, part, b)]
+    assert pairs[0][1] is w and pairs[0][0].shape == (6, 5) and pairs[1][1].tolist() == [2, 3, 4]
+    assert all(dst.untyped_storage().data_ptr() == buf.tensor.untyped_storage().data_ptr() for dst, _ in pairs)
+    _copy_all(*zip(*pairs))
+    assert torch.equal(buf.tensor[:120].view(torch.float32).view(6, 5), w)
+    assert buf.tensor[512:518].view(torch.int16).tolist() == [2, 3, 4]
+    assert _pair(buf, whole, w)[0] is pairs[0][0]  # kept: the next save makes no view
+    monkeypatch.setattr(snapshot_module, "VIEWS_KEPT", 2)
+    buf.view_of(1024, torch.uint8, (8,))
+    assert len(buf._views) == 1  # two kept: all forgotten before the third
+
+
 def test_deferred_save_on_cpu_waits_for_the_copy_before_the_next_step(tmp_path, monkeypatch):
     """``save(defer=True)`` returns before the copy; ``wait_snapshot()`` returns after it."""
     gate, real = threading.Event(), snapshot_module.copy_into
