@@ -25,7 +25,8 @@ allows, see :func:`_reusable_stager`) and one reused (``dcp_async_pinned_cached`
 ``AsyncCheckpointIO(TorchCheckpointIO())``. ``--only NAME ...`` re-runs some contenders / training runs.
 
 Then a GPT-2-small-sized model (124M parameters, AdamW, bf16 autocast, synthetic tokens) in a plain
-loop: steps/s without checkpoints, and with ours every step, every 10 steps and under
+loop: steps/s without checkpoints, and with ours every step, every 10 steps (also with ``defer=True``
+and ``wait_snapshot()`` before the optimizer step, the front ends' ``pipeline=True``) and under
 ``overhead_budget=0.035`` (``Schedule`` + the adaptive policy), and DCP ``async_save`` every 10 steps.
 Overhead = time per step with checkpoints / without - 1 (the baseline is run first and last).
 
@@ -529,20 +530,30 @@ class Trainer:
         return (time.perf_counter() - t) / steps
 
 
-def train_ours(tr: Trainer, root: str, steps: int, policy: Any) -> dict[str, Any]:
+def train_ours(tr: Trainer, root: str, steps: int, policy: Any, defer: bool = False) -> dict[str, Any]:
+    """Ours driven by ``Schedule``; with ``defer`` as the front ends' ``pipeline=True`` does: the copy
+    runs beside the next forward/backward, ``wait_snapshot()`` just before the optimizer step."""
     ck = Checkpointer(root, keep_last=1)
     ck.reserve(tr.state())
     sched = Schedule(policy, ck)
     taken: list[int] = []
+    pending: list[Any] = []
+
+    def before_opt() -> None:
+        while pending:
+            pending.pop().wait_snapshot()
 
     def after(step: int) -> None:
         if sched.should_save(step):
-            ck.save(tr.state(), step)
+            handle = ck.save(tr.state(), step, defer=defer)
+            if defer:
+                pending.append(handle)
             sched.saved(step)
             taken.append(step)
 
-    per_step = tr.loop(steps, after=after)
+    per_step = tr.loop(steps, before_opt=before_opt, after=after)
     t = time.perf_counter()
+    before_opt()
     ck.close()
     stalls = [r.stall_s for r in ck.records]
     return {"step_s": per_step, "checkpoints": len(taken), "drain_s": time.perf_counter() - t,
@@ -591,6 +602,7 @@ def bench_train(args: argparse.Namespace) -> dict[str, Any]:
     runs: list[tuple[str, Callable[[], dict[str, Any]]]] = [
         ("baseline", lambda: {"step_s": tr.loop(n), "checkpoints": 0}),
         ("ours_every_10", lambda: train_ours(tr, root, n, EveryNSteps(2 if args.tiny else 10))),
+        ("ours_defer_every_10", lambda: train_ours(tr, root, n, EveryNSteps(2 if args.tiny else 10), defer=True)),
         ("dcp_async_every_10", lambda: train_dcp(tr, root, n, 2 if args.tiny else 10, pinned=None)),
     ]
     if CUDA:

@@ -65,7 +65,9 @@ class AsyncShardedCheckpoint(*_lightning.bases("callbacks.Callback")):  # type: 
             under several ranks all ranks agree on the step within two steps of the signal, commit
             there and end with Lightning's ``SIGTERMException`` (see ``lightning_ckpt._preempt``).
         pipeline: deferred snapshot (copy during the next forward/backward, waited for just before
-            the next optimizer step). Off by default: measured in ``benchmarks/bench_lightning.py``.
+            the next optimizer step). Off by default: on CPU the copy competes with training for the
+            cores (``benchmarks/bench_lightning.py``). On a GPU turn it on: the device-to-host copy
+            then runs beside the forward/backward instead of before it (``benchmarks/bench_gpu.py``).
         restore_route: how a resume on several ranks gets the model's state: ``"auto"`` (measured
             at the resume), ``"read"`` (every rank reads all of it), ``"exchange"`` (each rank
             reads 1/N, the rest comes over the process group); see ``ckpt_engine.restore_exchange``.

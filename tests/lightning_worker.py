@@ -227,10 +227,11 @@ def main() -> None:
                    help="also ModelCheckpoint(save_last=True, every_n_train_steps=N) in OUT/mc")
     p.add_argument("--scheduler", default="step", choices=["step", "plateau", "exp"])
     p.add_argument("--val", action="store_true", help="validate at every epoch end")
+    p.add_argument("--pipeline", action="store_true", help="the callback's pipeline=True (deferred snapshot)")
     args = p.parse_args()
     pl.seed_everything(1234, workers=True)
     where = {"levels": [args.ckpt, args.level2]} if args.level2 else {"dirpath": args.ckpt}
-    cb = Counting(**where, every_n_train_steps=args.every, keep_last=3, resume=args.resume)
+    cb = Counting(**where, every_n_train_steps=args.every, keep_last=3, resume=args.resume, pipeline=args.pipeline)
     callbacks = [cb]
     if args.lightning_last:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=os.path.join(args.out, "mc"), save_last=True,

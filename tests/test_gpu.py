@@ -333,13 +333,16 @@ def test_load_into_cuda_tensors_fills_them_in_place(tmp_path):
 
 
 @cuda
-def test_lightning_job_on_the_gpu_killed_and_resumed_is_bitwise_identical(tmp_path):
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_lightning_job_on_the_gpu_killed_and_resumed_is_bitwise_identical(tmp_path, pipeline):
     """The callback on one GPU (the snapshot of CUDA parameters and Adam moments, the CUDA RNG that
-    dropout draws from): SIGKILLed mid-epoch after step 23, resumed from step 20, the job ends with
-    the weights of an uninterrupted one, bit for bit."""
+    dropout draws from), with the copy before the next step or beside it (``pipeline=True``, the
+    setting the README advises on GPUs): SIGKILLed mid-epoch after step 23, resumed from step 20,
+    the job ends with the weights of an uninterrupted one, bit for bit."""
     from lightning_jobs import killed_and_resumed
 
-    killed_and_resumed(tmp_path, ["--devices", "1", "--accelerator", "gpu"], 23, (20,))
+    flags = ["--devices", "1", "--accelerator", "gpu"] + (["--pipeline"] if pipeline else [])
+    killed_and_resumed(tmp_path, flags, 23, (20,))
 
 _CPU_LOADER = """
 import sys, torch
@@ -396,7 +399,8 @@ def test_bench_gpu_tiny_runs_end_to_end(tmp_path):
     assert size["contenders"]["ours"]["allocations"] == 1
     train = res["train"]
     assert train["params"] > 0 and train["baseline_step_s"] > 0
-    runs = ["baseline", "ours_every_1", "ours_every_10", "ours_budget_3.5%", "dcp_async_every_10", "baseline_end"]
+    runs = ["baseline", "ours_every_1", "ours_every_10", "ours_defer_every_10", "ours_budget_3.5%", "dcp_async_every_10",
+            "baseline_end"]
     for name in runs + (["dcp_async_pinned_every_10", "dcp_async_pinned_cached_every_10"] if CUDA else []):
         r = train["runs"][name]
         assert "error" not in r and r["step_s"] > 0 and "overhead" in r, (name, r)
