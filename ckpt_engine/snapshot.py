@@ -153,7 +153,7 @@ class HostBuffer:
 
     def view_of(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """The bytes at ``offset`` as a tensor of ``dtype`` and ``shape``, made once and kept (the
-        destination of a CUDA copy: the same each save of a layout, and making it costs more than
+        destination of a CUDA copy: the same each save of a layout, and making it costs as much as
         queuing the copy). Forgets all when it holds too many (layouts that keep changing)."""
         key = (offset, dtype, shape)
         view = self._views.get(key)
