@@ -20,9 +20,9 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
-from math import prod
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from math import prod
 from typing import TYPE_CHECKING, Sequence
 
 import torch
