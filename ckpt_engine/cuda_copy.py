@@ -191,9 +191,8 @@ def _pair(buf: "HostBuffer", s: "Span", src: torch.Tensor) -> tuple[torch.Tensor
     a slice (a rank's part of a split tensor) as a flat range."""
     if s.start_byte == 0 and s.nbytes == src.numel() * src.element_size():
         return buf.view_of(s.offset, src.dtype, src.shape), src
-    item = src.element_size()
-    start = s.start_byte // item
-    return buf.view_of(s.offset, src.dtype, (s.nbytes // item,)), src.view(-1)[start:start + s.nbytes // item]
+    start, stop = s.elements(src.element_size())
+    return buf.view_of(s.offset, src.dtype, (stop - start,)), src.view(-1)[start:stop]
 
 
 _FOREACH_COPY = getattr(torch, "_foreach_copy_", None)

@@ -118,6 +118,10 @@ class Span:
     offset: int
     nbytes: int
 
+    def elements(self, itemsize: int) -> tuple[int, int]:
+        """The span as elements ``[start, stop)`` of the tensor's row-major data."""
+        return self.start_byte // itemsize, (self.start_byte + self.nbytes) // itemsize
+
 
 def spans(pieces: Sequence[Piece], itemsize: Sequence[int], local_itemsize: Sequence[int]) -> tuple[Span, ...]:
     """Pure: ``pieces`` (in buffer order) with each run of adjacent pieces of one tensor merged."""
@@ -285,8 +289,7 @@ def plan_copy(pieces: Sequence[Piece], nbytes: int, state: Sequence[torch.Tensor
         if src.is_contiguous():
             direct.append((s, src))
         else:
-            item = src.element_size()
-            g = Gather.plan(s.offset, s.start_byte // item, (s.start_byte + s.nbytes) // item, src, end)
+            g = Gather.plan(s.offset, *s.elements(src.element_size()), src, end)
             gathers.append((g, src))
             end += _align(g.span_bytes)
     return CopyPlan(host, tuple(direct), tuple(gathers), end if gathers else nbytes, tuple(devices))
