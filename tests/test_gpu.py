@@ -399,6 +399,11 @@ def test_bench_gpu_tiny_runs_end_to_end(tmp_path):
     assert size["contenders"]["ours"]["allocations"] == 1
     train = res["train"]
     assert train["params"] > 0 and train["baseline_step_s"] > 0
+    # What is saved includes AdamW's two moments (the state after the warm-up, not before the first step);
+    # the tied embedding counts once, as it is stored
+    assert train["state_bytes"] >= 3 * 4 * train["params"], train["state_bytes"]
+    assert train["raw_write_s"] > 0 and train["disk_interval_steps"] >= 1
+    assert "steps at least" in (out / "bench_gpu.md").read_text()
     runs = ["baseline", "ours_every_1", "ours_every_10", "ours_defer_every_10", "ours_budget_3.5%", "dcp_async_every_10",
             "baseline_end"]
     for name in runs + (["dcp_async_pinned_every_10", "dcp_async_pinned_cached_every_10"] if CUDA else []):
