@@ -221,21 +221,37 @@ def test_lightning_cli_with_the_example_yaml_fits_writes_and_resumes(tmp_path):
     assert Checkpointer(str(root)).steps()[-1] == 14
 
 
-@pytest.mark.parametrize("override, message", [
+BAD_CONFIGS = [
     ('{"every_n_train_steps": 5, "overhead_budget": 0.1, "dirpath": "x"}', "mutually exclusive"),
     ('{"dirpath": "x", "every_n_step": 5}', "every_n_step"),
     ('{"dirpath": "x", "keep_last": -2}', "keep_last=-2 is invalid"),
     ('{"dirpath": "x", "every_n_train_steps": -3}', "every_n_train_steps=-3 is invalid"),  # the key the user wrote
     ('{"dirpath": "x", "train_time_interval": "0:00:00"}', "train_time_interval=0.0 is invalid"),
-])
-def test_bad_callback_configuration_fails_naming_the_value(tmp_path, override, message):
-    cfg = tmp_path / "bad.yaml"
-    cfg.write_text("trainer:\n  accelerator: cpu\n  devices: 1\n  max_steps: 1\n  callbacks:\n"
-                   "    - class_path: lightning_ckpt.AsyncShardedCheckpoint\n"
-                   f"      init_args: {override}\n")
-    out = subprocess.run([sys.executable, os.path.join(EXAMPLE, "lightning_train.py"), "fit", "--config", str(cfg)],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert out.returncode != 0 and message in out.stderr, out.stderr[-2000:]
+]
+
+
+@pytest.fixture(scope="module")
+def bad_config_runs(tmp_path_factory, flavour):
+    """``lightning_train.py fit --config`` each of BAD_CONFIGS, all in one process (tests/cli_configs.py):
+    {override: {"rc", "stderr"}}."""
+    d = tmp_path_factory.mktemp("bad-configs")
+    cfgs = {}
+    for i, (override, _) in enumerate(BAD_CONFIGS):
+        cfg = d / f"bad{i}.yaml"
+        cfg.write_text("trainer:\n  accelerator: cpu\n  devices: 1\n  max_steps: 1\n  callbacks:\n"
+                       "    - class_path: lightning_ckpt.AsyncShardedCheckpoint\n"
+                       f"      init_args: {override}\n")
+        cfgs[str(cfg)] = override
+    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "cli_configs.py"),
+                           str(d / "out.json"), *cfgs], cwd=d, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {cfgs[cfg]: r for cfg, r in json.loads((d / "out.json").read_text()).items()}
+
+
+@pytest.mark.parametrize("override, message", BAD_CONFIGS)
+def test_bad_callback_configuration_fails_naming_the_value(bad_config_runs, override, message):
+    out = bad_config_runs[override]
+    assert out["rc"] != 0 and message in out["stderr"], out["stderr"][-2000:]
 
 
 def test_deepspeed_is_refused_sharded_strategies_take_the_sharded_path_unreachable_paths_named(tmp_path, flavour):
