@@ -202,6 +202,13 @@ def state_bytes(state: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors_of(state))
 
 
+def saved_bytes(state: Any) -> int:
+    """Tensor bytes of a nested state with tensors sharing data counted once, as a checkpoint stores
+    them (a tied embedding once)."""
+    seen = {(t.device, t.data_ptr(), t.dtype, t.numel()): t.numel() * t.element_size() for t in tensors_of(state)}
+    return sum(seen.values())
+
+
 def empty_like_state(state: Any) -> Any:
     """Same structure with freshly allocated (untouched) tensors: a restore target."""
     if isinstance(state, torch.Tensor):

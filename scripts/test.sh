@@ -13,7 +13,7 @@ bash scripts/setup_env.sh
 # fixtures, e.g. the Lightning reference runs and the S3 server, are made once per module, as in
 # one process). Run serially, the 2-core machine was busy 60 % of the time (a Lightning job spends
 # most of its first seconds importing, on one core): 35 minutes, against 29 with two workers.
-# TEST_WORKERS=0 runs it in one process; any -n/--dist given here wins over these.
+# TEST_WORKERS=0 runs it in one process; -n/--dist passed to this script win over these.
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 set +e

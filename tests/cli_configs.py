@@ -29,10 +29,12 @@ def run_one(cfg: str) -> dict:
     with contextlib.redirect_stderr(err):
         try:
             runpy.run_path(EXAMPLE, run_name="__main__")
-        except SystemExit as e:
-            rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            if e.code is not None and not isinstance(e.code, int):
+        except SystemExit as e:  # sys.exit(n), or sys.exit("message"): printed, status 1
+            if e.code is None or isinstance(e.code, int):
+                rc = e.code or 0
+            else:
                 print(e.code, file=sys.stderr)
+                rc = 1
         except BaseException:  # noqa: BLE001 - reported as the interpreter would
             traceback.print_exc()
             rc = 1
