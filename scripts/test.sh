@@ -10,14 +10,15 @@ bash scripts/setup_env.sh
 # no:cacheprovider keeps .pytest_cache out of the tree; --durations=20 lists the slowest tests
 # (CI's limit is 90 minutes, the aim under 25: see which tests to trim).
 # Two pytest-xdist workers, a test module per worker at a time (--dist loadfile: the module-scoped
-# fixtures, e.g. the Lightning reference runs and the S3 server, are made once per module, as in
-# one process). Run serially, the 2-core machine was busy 60 % of the time (a Lightning job spends
-# most of its first seconds importing, on one core): 35 minutes, against 29 with two workers.
+# fixtures, e.g. the S3 server, are made once per module, as in one process), the modules marked slow
+# handed out first (tests/conftest.py orders them; --no-loadscope-reorder keeps that order). Run
+# serially, the 2-core machine was busy 60 % of the time (a Lightning job spends most of its first
+# seconds importing, on one core): 35 minutes, against 27-28 with two workers (busy ~80 %).
 # TEST_WORKERS=0 runs it in one process; -n/--dist passed to this script win over these.
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 set +e
-.venv/bin/python -m pytest -q -p no:cacheprovider --durations=20 -n "${TEST_WORKERS:-2}" --dist loadfile "$@" 2>&1 \
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=20 -n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@" 2>&1 \
     | tee "$log"
 rc=${PIPESTATUS[0]}
 set -e

@@ -1,11 +1,14 @@
 """Real Lightning jobs for the tests: ``tests/lightning_worker.py`` runs, their outputs, and the
-fixture that runs every test under both Lightning distributions (shared by test_lightning.py and
-test_lightning_sharded.py: no test module imports another)."""
+fixture that runs every test under both Lightning distributions (shared by the test_lightning_*.py
+modules: no test module imports another)."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -42,17 +45,48 @@ def one_distribution(flavour: str) -> None:
 
 class References:
     """Uninterrupted reference runs (40 steps, no interruption), one per DataLoader worker count,
-    each run the first time a test asks for it (a module fixture holds one per distribution)."""
+    each run the first time a test asks for it and then shared by every test module of the session,
+    also across pytest-xdist workers (a lock file serializes the first run; see ``shared_dir``)."""
 
     def __init__(self, tmp_path_factory) -> None:
-        self._factory, self._runs = tmp_path_factory, {}
+        self._root = shared_dir(tmp_path_factory, "lightning-references")
 
     def __getitem__(self, workers: int):
-        if workers not in self._runs:
-            out = self._factory.mktemp(f"ref{workers}")
-            run(out, out / "ck", "--workers", str(workers), "--tag", "ref")
-            self._runs[workers] = out
-        return self._runs[workers]
+        out = self._root / f"ref{workers}"
+        with _locked(self._root / f"ref{workers}.lock"):
+            if not (out / "done").exists():
+                shutil.rmtree(out, ignore_errors=True)  # a run that failed part-way, in another module
+                run(out, out / "ck", "--workers", str(workers), "--tag", "ref")
+                (out / "done").touch()
+        return out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The reference runs: ``uninterrupted[workers]`` is the directory of the 40-step run with that
+    many DataLoader workers (run once per test session, whichever module asks first)."""
+    return References(tmp_path_factory)
+
+
+def shared_dir(tmp_path_factory, name: str):
+    """A directory every process of this test session sees: under pytest-xdist, beside the workers'
+    own base directories (pytest-xdist's documented way to share a fixture's result); otherwise in
+    this session's base directory (never in the parent, which other sessions share)."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    root.mkdir(exist_ok=True)
+    return root
+
+
+@contextlib.contextmanager
+def _locked(path):
+    """An exclusive ``flock`` on ``path`` for the block (released by the kernel if the process dies)."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def lightning_module(flavour):
