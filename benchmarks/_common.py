@@ -203,10 +203,11 @@ def state_bytes(state: Any) -> int:
 
 
 def saved_bytes(state: Any) -> int:
-    """Tensor bytes of a nested state with tensors sharing data counted once, as a checkpoint stores
-    them (a tied embedding once)."""
-    seen = {(t.device, t.data_ptr(), t.dtype, t.numel()): t.numel() * t.element_size() for t in tensors_of(state)}
-    return sum(seen.values())
+    """Tensor bytes a checkpoint of ``state`` stores: the tensors of the engine's own ``encode()``,
+    which stores tensors sharing data once (a tied embedding once)."""
+    from ckpt_engine.values import encode
+
+    return sum(t.numel() * t.element_size() for t in encode(state).tensors)
 
 
 def empty_like_state(state: Any) -> Any:
