@@ -8,7 +8,10 @@ the same state and is timed for:
 * ``mutable``: until the state may be mutated (``wait_snapshot()``, DCP's staging future);
 * ``gpu_delay``: how much later a fixed matmul workload (the next forward/backward), queued right
   after the call behind a short spin kernel (the optimizer step still in flight), ends on the GPU
-  than the same sequence without a save (CUDA events); compared with ``d2h``;
+  than the same sequence without a save (CUDA events); ``control``: the same pair of sequences with
+  no save in either, measured in the same repetition (before or after the save, alternately): the
+  figure's own bias, ±3-5 ms per pair on an H200, so a delay is read as ``delay - control``, compared
+  with ``d2h``;
   ``gpu_delay_to_mutable``: the same for an event recorded on the training stream once the host
   may mutate the state (when the next optimizer step could run on the GPU);
 * ``durable``: until the checkpoint is on disk (``wait()``, DCP's upload future, Lightning's
@@ -362,8 +365,20 @@ class LightningAsync:
         pass
 
 
+def control(probe: GpuProbe) -> float:
+    """The probe's sequence with no save in it: its "delay" is the figure's own bias in this
+    repetition (the reference is a separate spin + workload run just before, and the GPU's clocks
+    move: ±3-5 ms per pair and a few ms of bias that changes between runs on an H200)."""
+    base_fwd, _ = probe.base()
+    tl, _ = probe.run(lambda: None)
+    return tl.workload_end() - base_fwd
+
+
 def measure(make: Callable[[str], Any], state: Any, nbytes: int, workdir: str, probe: GpuProbe,
             reps: int) -> dict[str, Any]:
+    """``reps`` saves; each beside a control (:func:`control`), before it in odd repetitions and
+    after it in even ones, so that drift and order cancel in ``gpu_delay_net_s`` (delay − control
+    of the same repetition). The first save is reported apart, the median of the others in the table."""
     root = os.path.join(workdir, "ckpt")
     shutil.rmtree(root, ignore_errors=True)
     os.makedirs(root)
@@ -371,6 +386,7 @@ def measure(make: Callable[[str], Any], state: Any, nbytes: int, workdir: str, p
     rows = []
     try:
         for i in range(reps):
+            ctrl = control(probe) if i % 2 else None
             base_fwd, base_mut = probe.base()  # same clocks and heap as the save right after it
 
             def between() -> tuple[float, float, Any]:
@@ -385,12 +401,15 @@ def measure(make: Callable[[str], Any], state: Any, nbytes: int, workdir: str, p
             tl.mark()
             extra = durable()
             done = time.perf_counter() - t
-            rows.append({"stall_s": stall, "mutable_s": mutable, "durable_s": done,
-                         "gpu_delay_s": tl.workload_end() - base_fwd,
-                         "gpu_delay_to_mutable_s": tl.mutable_end() - base_mut,
-                         "persist_gbps": gbps(nbytes, done - mutable), **extra})
+            row = {"stall_s": stall, "mutable_s": mutable, "durable_s": done,
+                   "gpu_delay_s": tl.workload_end() - base_fwd,
+                   "gpu_delay_to_mutable_s": tl.mutable_end() - base_mut,
+                   "persist_gbps": gbps(nbytes, done - mutable), **extra}
             if hasattr(c, "after"):
                 c.after()
+            row["gpu_delay_control_s"] = control(probe) if ctrl is None else ctrl
+            row["gpu_delay_net_s"] = row["gpu_delay_s"] - row["gpu_delay_control_s"]
+            rows.append(row)
             for name in os.listdir(root):  # keep at most the last checkpoint on disk (ours: keep_last=1)
                 if name.startswith(("dcp-", "lightning-")):
                     p = os.path.join(root, name)
@@ -434,7 +453,7 @@ def bench_size(size: float, args: argparse.Namespace, probe: GpuProbe, out: dict
     if free < need:
         out["skipped"] = f"{free / GiB:.1f} GiB free on {args.workdir}, {need / GiB:.1f} needed"
         return
-    reps = 3 if nbytes <= GiB else 2 if nbytes <= 4 * GiB else 1
+    reps = args.reps or (3 if nbytes <= GiB else 2 if nbytes <= 4 * GiB else 1)
     state = make_state(nbytes)
     nbytes = state_bytes(state)
     out.update(bytes=nbytes, tensors=len(encode(state).tensors), reps=reps)
@@ -447,7 +466,7 @@ def bench_size(size: float, args: argparse.Namespace, probe: GpuProbe, out: dict
     out["contenders"] = {}
     if not args.only or "limits" in args.only:
         log(f"{label(size)}: limits")
-        out["limits"] = limits(nbytes, args.workdir, max(2, reps), buffered=nbytes <= 4 * GiB)
+        out["limits"] = limits(nbytes, args.workdir, max(2, min(reps, 3)), buffered=nbytes <= 4 * GiB)
         log(f"  d2h {out['limits']['d2h_gbps']:.1f} GB/s, raw write {out['limits']['raw_write_gbps']:.2f} GB/s")
     for name, make in contenders(args.tiny, nbytes).items():
         if args.only and name not in args.only:
@@ -667,24 +686,26 @@ def markdown(res: dict[str, Any]) -> str:
     m = res["meta"]
     lines = [f"Device: {m['device']}; torch {m['torch']}; {m['date']}; workdir {m['workdir']} ({m['fstype']})", "",
              "| size | contender | stall ms | stall − encode ms | mutable ms | GPU delay, next fwd/bwd ms "
-             "| delay ÷ D2H | GPU delay, next optimizer step ms | durable s | persist GB/s | persist ÷ raw |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| control (no save) ms | (delay − control) ÷ D2H | GPU delay, next optimizer step ms | durable s "
+             "| persist GB/s | persist ÷ raw |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, s in res["sizes"].items():
         size = label(float(key))
         if "skipped" in s or "limits" not in s:
-            lines.append(f"| {size} | skipped: {s.get('skipped', 'unfinished')} ||||||||||")
+            lines.append(f"| {size} | skipped: {s.get('skipped', 'unfinished')} |||||||||||")
             continue
         lim = s["limits"]
         lines.append(f"| {size} | limit: D2H `copy_` into pinned {_f(lim['d2h_s'], 1e3)} ms "
-                     f"({_f(lim['d2h_gbps'])} GB/s); raw write of it | | | | | | | "
+                     f"({_f(lim['d2h_gbps'])} GB/s); raw write of it | | | | | | | | "
                      f"{_f(lim['raw_write_s'])} | {_f(lim['raw_write_gbps'])} | 1 |")
         for name, r in s["contenders"].items():
             if "stall_s" not in r:
-                lines.append(f"| {size} | {name}: {r.get('error') or r.get('skipped')} ||||||||||")
+                lines.append(f"| {size} | {name}: {r.get('error') or r.get('skipped')} |||||||||||")
                 continue
             lines.append(
                 f"| {size} | {name} | {_f(r['stall_s'], 1e3)} | {_f(r['stall_s'] - s['encode_s'], 1e3)} "
-                f"| {_f(r['mutable_s'], 1e3)} | {_f(r['gpu_delay_s'], 1e3)} | {_f(r['gpu_delay_s'] / lim['d2h_s'])} "
+                f"| {_f(r['mutable_s'], 1e3)} | {_f(r['gpu_delay_s'], 1e3)} | {_f(r['gpu_delay_control_s'], 1e3)} "
+                f"| {_f(r['gpu_delay_net_s'] / lim['d2h_s'])} "
                 f"| {_f(r['gpu_delay_to_mutable_s'], 1e3)} "
                 f"| {_f(r['durable_s'])} | {_f(r['persist_gbps'])} | {_f(r['persist_gbps'] / lim['raw_write_gbps'])} |")
     t = res.get("train")
@@ -745,6 +766,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--workdir", help="checkpoint directory on a local disk (default: picked, not tmpfs)")
     p.add_argument("--out", default=os.path.join(HERE, "out"))
     p.add_argument("--budget-s", type=float, default=480, help="skip remaining contenders after this")
+    p.add_argument("--reps", type=int, default=0,
+                   help="saves per contender and size (default: 3 up to 1 GiB, 2 up to 4 GiB, else 1); the "
+                        "first is reported apart, the median of the others in the table")
     p.add_argument("--only", nargs="+",
                    help="only these contenders and training runs, and the limits if 'limits' is named (a re-run)")
     args = p.parse_args(argv)

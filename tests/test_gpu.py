@@ -376,7 +376,7 @@ def test_bench_gpu_tiny_runs_end_to_end(tmp_path):
     """bench_gpu.py --tiny (CPU without CUDA): every figure is there and positive."""
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_gpu.py"), "--tiny",
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_gpu.py"), "--tiny", "--reps", "2",
                            "--out", str(out), "--workdir", str(tmp_path / "work")],
                           env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -389,13 +389,18 @@ def test_bench_gpu_tiny_runs_end_to_end(tmp_path):
     expected = {"ours", "ours_defer", "dcp_async", "lightning_async"}
     expected |= {"dcp_async_pinned", "dcp_async_pinned_cached"} if CUDA else set()
     assert set(size["contenders"]) == expected
+    assert "control (no save) ms" in (out / "bench_gpu.md").read_text()
     for name, r in size["contenders"].items():
-        assert "error" not in r, (name, r)
+        assert "error" not in r and r["reps"] == 2, (name, r)
+        # every repetition carries its own control (the probe's sequence without a save), and the
+        # net delay is taken against it, repetition by repetition
+        assert {"gpu_delay_control_s", "gpu_delay_net_s"} <= set(r) and {"gpu_delay_control_s"} <= set(r["first"])
         for key in ("stall_s", "mutable_s", "durable_s", "persist_gbps"):
             assert r[key] > 0, (name, key, r)
         assert r["durable_s"] >= r["mutable_s"] >= r["stall_s"] * 0.999
         if CUDA:
             assert r["gpu_delay_s"] == r["gpu_delay_s"]  # a number, not NaN
+            assert r["gpu_delay_net_s"] == r["gpu_delay_s"] - r["gpu_delay_control_s"]  # one repetition after the first
     assert size["contenders"]["ours"]["allocations"] == 1
     train = res["train"]
     assert train["params"] > 0 and train["baseline_step_s"] > 0
