@@ -7,7 +7,8 @@ One run measures, on the same replicated state and within the same processes:
   whole state back into a warm buffer (from the page cache: nothing is dropped);
 * ours: ``Checkpointer.save`` (the stall), until ``wait()`` returns (committed), ``load()``,
   peak extra RSS. Each repetition times memcpy, raw write and our save back to back (the raw
-  write and our save in alternating order), so that limit and engine see the same machine;
+  write and our save in alternating order), so that limit and engine see the same machine; the
+  threaded copy limit is timed next to each save, before it and after it in alternate repetitions;
 * peers: ``torch.save`` (+ ``fsync``) / ``torch.load`` on rank 0, Lightning's ``AsyncCheckpointIO``
   on rank 0, ``torch.distributed.checkpoint`` ``save`` / ``async_save`` / ``load`` on every rank.
 
@@ -204,17 +205,32 @@ def bench_ours(ctx: RankCtx) -> dict[str, Metrics]:
     ck = Checkpointer(ctx.path("ours"), comm=TorchDistComm() if ctx.world > 1 else LocalComm(), keep_last=KEEP_LAST)
     probe, memcpy, memcpy_t, writes, dwrites, saves = MemProbe(), [], [], [], [], []
 
-    def save() -> None:
+    def limit() -> None:
         ctx.barrier()
-        memcpy_t.append(timed(copy_threads)[0])  # the copy limit right before the save it bounds
+        memcpy_t.append(timed(copy_threads)[0])
+
+    def save() -> None:
+        # The copy limit of the same bytes is timed right next to each save: before it in even
+        # repetitions, after it (once committed) in odd ones. Which of the two runs first, right after a
+        # 1 GiB write, changes their ratio here by up to 0.1 (session 14's probe), so both orders count.
+        limit_first = len(saves) % 2 == 0
+        if limit_first:
+            limit()
         ctx.barrier()
         probe.start(keep_baseline=bool(saves), trim=not saves)
         stall, handle = timed(lambda: ck.save(ctx.state, len(saves)))
         total = stall + timed(ck.wait)[0]
+        # Untimed: the deletion of older checkpoints (keep_last) runs after the commit on its own
+        # thread; left running, it would slow whatever is timed next (the copy limit after the save,
+        # the raw write of the next round) and flatter the save beside it.
+        ck.wait(retention=True)
         rec = handle.record
         saves.append({"stall_s": stall, "total_s": total, "mem_extra_bytes": probe.peak_extra(),
                       "snapshot_s": rec.snapshot_s, "persist_s": rec.persist_s, "commit_s": rec.commit_s,
-                      "other_s": total - stall - rec.persist_s - rec.commit_s, "share_bytes": rec.bytes})
+                      "other_s": total - stall - rec.persist_s - rec.commit_s, "share_bytes": rec.bytes,
+                      "limit_first": float(limit_first)})
+        if not limit_first:
+            limit()
 
     def write() -> None:
         ctx.barrier()
@@ -241,13 +257,26 @@ def bench_ours(ctx: RankCtx) -> dict[str, Metrics]:
     ours = _ours_metrics(saves, loads)
     return {"memcpy": {"stall_s": min(memcpy), "share_bytes": buf.numel(), **_numbered(memcpy)},
             "memcpy_threads": {"stall_s": min(memcpy_t), "threads": torch.get_num_threads(), **_numbered(memcpy_t)},
-            "paired": {"stall_vs_copy_median": statistics.median(
-                s["stall_s"] / m for s, m in list(zip(saves, memcpy_t))[1:] or zip(saves, memcpy_t)), **paired},
+            "paired": {**paired_stalls(saves, memcpy_t), **paired},
             "raw_write": {"total_first_s": writes[0], "total_s": min(writes[1:] or writes), "bytes": buf.numel(),
                           **_numbered(writes)},
             "raw_write_direct": {"total_first_s": dwrites[0], "total_s": min(dwrites[1:] or dwrites),
                                  "bytes": buf.numel(), **_numbered(dwrites)},
             "ours": ours}
+
+
+def paired_stalls(saves: list[Metrics], copies: list[float]) -> Metrics:
+    """Each save's stall ÷ the copy limit timed next to it, over saves 2..N (all of them when there
+    is one): the median of all, and of the pairs whose limit ran first and ran second. Pure."""
+    pairs = list(zip(saves, copies))
+    steady = pairs[1:] or pairs
+    out: Metrics = {"stall_vs_copy_median": statistics.median(s["stall_s"] / m for s, m in steady)}
+    for name, first in (("limit_first", 1.0), ("save_first", 0.0)):
+        ratios = [s["stall_s"] / m for s, m in steady if s.get("limit_first", 1.0) == first]
+        if ratios:
+            out[f"stall_vs_copy_median_{name}"] = statistics.median(ratios)
+            out[f"pairs_{name}"] = float(len(ratios))
+    return out
 
 
 def _numbered(values: list[float]) -> Metrics:
