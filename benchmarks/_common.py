@@ -72,6 +72,20 @@ def timed(fn: Callable[[], T]) -> tuple[float, T]:
     return time.perf_counter() - start, value
 
 
+def timed_save(ck: Any, state: Any, step: int, **kwargs: Any) -> tuple[float, float, Any]:
+    """One save of ours as every benchmark times it: (stall, seconds until committed with the stall,
+    what ``save()`` returned). Then, untimed, it waits for the deletion of older checkpoints
+    (``keep_last``): that runs on its own thread after the commit, and left running it would slow
+    whatever is timed next (a physical limit, a peer, the next save) and flatter ours beside it."""
+    start = time.perf_counter()
+    handle = ck.save(state, step, **kwargs)
+    stall = time.perf_counter() - start
+    ck.wait()
+    total = time.perf_counter() - start
+    ck.wait(retention=True)
+    return stall, total, handle
+
+
 def best_of(reps: int, fn: Callable[[], Any], before: Callable[[], None] | None = None) -> float:
     """Fastest of ``reps`` runs of ``fn`` in seconds (``before`` runs untimed ahead of each)."""
     times = []

@@ -52,6 +52,7 @@ def _run(ck: Any, state: dict, reps: int, beside: Any = None) -> dict[str, Any]:
         if step:
             stalls.append(stall)
             durable.append(time.perf_counter() - start)
+        ck.wait(retention=True)  # untimed: the next save does not run beside this one's retention
     out: dict[str, Any] = {"stall_s": statistics.median(stalls), "durable_s": statistics.median(durable),
                            "stalls": stalls, "durables": durable}
     if ck.levels[1:]:

@@ -59,18 +59,22 @@ def make_state(size_mib: int) -> dict:
 
 
 Contender = Callable[[int], object]
+"""One timed run of a contender (the repetition's number); what it returns, if callable, runs untimed after it."""
 """One timed run of a contender; its argument is the repetition number."""
 
 
 def interleaved(contenders: dict[str, Contender], reps: int) -> dict[str, list[float]]:
     """Seconds of each contender, run in turn once per repetition: a background load that drifts
-    during the run weighs on all of them alike."""
+    during the run weighs on all of them alike. A contender may return a function, run untimed
+    before the next one starts (ours: waiting for the deletion of its older checkpoint)."""
     times: dict[str, list[float]] = {name: [] for name in contenders}
     for rep in range(reps):
         for name, fn in contenders.items():
             start = time.perf_counter()
-            fn(rep)
+            settle = fn(rep)
             times[name].append(time.perf_counter() - start)
+            if callable(settle):
+                settle()
     return times
 
 
@@ -85,9 +89,11 @@ def ours(ck: Checkpointer, state: dict, suffix: str, reads: bool) -> dict[str, C
 
     buf = memoryview(bytearray(ck.storage.size(data()) or 0))
 
-    def save(rep: int) -> None:
+    def save(rep: int) -> Callable[[], None]:
         ck.save(state, rep + 1)
         ck.wait()
+        # untimed (interleaved): the older checkpoint's objects deleted before the next contender runs
+        return lambda: ck.wait(retention=True)
 
     def read_back(_: int) -> None:
         with ck.storage.reader(data()) as r:

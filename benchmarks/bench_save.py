@@ -51,7 +51,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _levels import bench_levels  # noqa: E402
 from ckpt_engine import hugepages  # noqa: E402
-from _common import (MemProbe, Metrics, RankCtx, StateSpec, best_of, byte_view, make_state,  # noqa: E402
+from _common import (MemProbe, Metrics, RankCtx, StateSpec, best_of, byte_view, make_state, timed_save,  # noqa: E402
                      read_into, set_page_cache, share_slices, state_bytes, states_equal, summary, timed,
                      write_fsync, aligned_copy)
 from _peers import bench_dcp_async, bench_dcp_save, bench_lightning, bench_torch_save, cold_and_warm_loads  # noqa: E402
@@ -218,12 +218,7 @@ def bench_ours(ctx: RankCtx) -> dict[str, Metrics]:
             limit()
         ctx.barrier()
         probe.start(keep_baseline=bool(saves), trim=not saves)
-        stall, handle = timed(lambda: ck.save(ctx.state, len(saves)))
-        total = stall + timed(ck.wait)[0]
-        # Untimed: the deletion of older checkpoints (keep_last) runs after the commit on its own
-        # thread; left running, it would slow whatever is timed next (the copy limit after the save,
-        # the raw write of the next round) and flatter the save beside it.
-        ck.wait(retention=True)
+        stall, total, handle = timed_save(ck, ctx.state, len(saves))  # then waits for the retention
         rec = handle.record
         saves.append({"stall_s": stall, "total_s": total, "mem_extra_bytes": probe.peak_extra(),
                       "snapshot_s": rec.snapshot_s, "persist_s": rec.persist_s, "commit_s": rec.commit_s,

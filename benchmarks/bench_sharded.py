@@ -53,7 +53,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import MemProbe, Metrics, MiB, RankCtx, byte_view, summary, timed  # noqa: E402
+from _common import MemProbe, Metrics, MiB, RankCtx, byte_view, summary, timed, timed_save  # noqa: E402
 from bench_save import RawWriter, _slowest, spawn_ranks  # noqa: E402
 
 PEERS = ("lightning", "dcp_save", "dcp_async", "dcp_async_stager", "dcp_async_process")
@@ -254,8 +254,7 @@ def bench_ours(r: Rank) -> dict[str, Metrics]:
     def save() -> None:
         ctx.barrier()
         probe.start(keep_baseline=bool(saves), trim=not saves)
-        stall = timed(lambda: ck.save(ctx.state, len(saves)))[0]
-        total = stall + timed(ck.wait)[0]
+        stall, total, _ = timed_save(ck, ctx.state, len(saves))  # then waits for the retention
         rec = ck.records[-1]
         saves.append({"stall_s": stall, "total_s": total, "mem_extra_bytes": probe.peak_extra(),
                       "encode_s": rec.encode_s, "snapshot_s": rec.snapshot_s, "persist_s": rec.persist_s,
@@ -318,7 +317,7 @@ def bench_solo(r: Rank) -> dict[str, Metrics]:
                                "memcpy_s": memcpy})
                 while ck.busy():
                     time.sleep(0.002)
-        ck.wait()
+        ck.wait(retention=True)  # the older checkpoint deleted before the next round's memcpy
     ck.close()
     ctx.remove("solo")
     best = min(rounds, key=lambda m: m["stall_s"])

@@ -195,3 +195,48 @@ def test_bench_save_times_nothing_while_a_retention_still_runs_and_alternates_th
             assert after[2] == "copy_threads", after  # right after it, once nothing runs beside it
     paired = out["paired"]
     assert paired["pairs_limit_first"] == 1 and paired["pairs_save_first"] == 2  # saves 2..4: odd, even, odd
+
+
+def test_interleaved_rounds_run_a_contenders_settling_untimed_before_the_next(monkeypatch):
+    """bench_s3 runs its contenders in turn; ours returns the wait for its retention (the older
+    checkpoint's objects deleted), which must run before the next contender and count for nobody."""
+    monkeypatch.syspath_prepend(os.path.join(HERE, "..", "benchmarks"))
+    import time
+
+    import bench_s3
+
+    log: list[str] = []
+
+    def ours(rep):
+        log.append("ours")
+        return lambda: (time.sleep(0.2), log.append("settled"))
+
+    times = bench_s3.interleaved({"ours": ours, "raw": lambda rep: log.append("raw")}, reps=2)
+    assert log == ["ours", "settled", "raw", "ours", "settled", "raw"]
+    assert max(times["ours"] + times["raw"]) < 0.1, times
+
+
+def test_timed_save_times_stall_and_commit_and_waits_for_the_retention_untimed(monkeypatch):
+    """The one way the benchmarks time a save of ours (bench_save, bench_sharded): save() is the stall,
+    save() + wait() the time to committed, and the retention (wait(retention=True)) is over when it
+    returns but in neither figure."""
+    monkeypatch.syspath_prepend(os.path.join(HERE, "..", "benchmarks"))
+    import time
+
+    from _common import timed_save
+
+    class Ck:  # what timed_save uses of a Checkpointer, each step taking a known time
+        log: list[str] = []
+
+        def save(self, state, step, **kw):
+            self.log.append(f"save {step} {kw}")
+            time.sleep(0.05)
+            return "handle"
+
+        def wait(self, retention=False):
+            self.log.append("retention" if retention else "commit")
+            time.sleep(0.5 if retention else 0.1)
+
+    stall, total, handle = timed_save(Ck(), {}, 3, defer=True)
+    assert Ck.log == ["save 3 {'defer': True}", "commit", "retention"] and handle == "handle"
+    assert 0.05 <= stall < 0.15 <= total < 0.4, (stall, total)
