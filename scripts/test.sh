@@ -13,7 +13,7 @@ bash scripts/setup_env.sh
 # fixtures, e.g. the S3 server, are made once per module, as in one process), the modules marked slow
 # handed out first (tests/conftest.py orders them; --no-loadscope-reorder keeps that order). Run
 # serially, the 2-core machine was busy 60 % of the time (a Lightning job spends most of its first
-# seconds importing, on one core): 35 minutes, against 27-30 with two workers (busy ~80 %).
+# seconds importing, on one core): 35 minutes, against 27-33 with two workers (busy ~80 %).
 # TEST_WORKERS=0 runs it in one process; -n/--dist passed to this script win over these.
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
