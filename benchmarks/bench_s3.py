@@ -59,8 +59,8 @@ def make_state(size_mib: int) -> dict:
 
 
 Contender = Callable[[int], object]
-"""One timed run of a contender (the repetition's number); what it returns, if callable, runs untimed after it."""
-"""One timed run of a contender; its argument is the repetition number."""
+"""One timed run of a contender; its argument is the repetition number. What it returns, if
+callable, runs untimed after it (see :func:`interleaved`)."""
 
 
 def interleaved(contenders: dict[str, Contender], reps: int) -> dict[str, list[float]]:

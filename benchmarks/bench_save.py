@@ -267,7 +267,7 @@ def paired_stalls(saves: list[Metrics], copies: list[float]) -> Metrics:
     steady = pairs[1:] or pairs
     out: Metrics = {"stall_vs_copy_median": statistics.median(s["stall_s"] / m for s, m in steady)}
     for name, first in (("limit_first", 1.0), ("save_first", 0.0)):
-        ratios = [s["stall_s"] / m for s, m in steady if s.get("limit_first", 1.0) == first]
+        ratios = [s["stall_s"] / m for s, m in steady if s["limit_first"] == first]
         if ratios:
             out[f"stall_vs_copy_median_{name}"] = statistics.median(ratios)
             out[f"pairs_{name}"] = float(len(ratios))
