@@ -28,7 +28,9 @@ NOTES = (
     "Notes:",
     "- Ours: best of saves 2..N (first save apart); time to committed = `save()` call until `wait()` returns "
     "(on rank 0 it includes deleting the previous checkpoint, `keep_last=1`). Limits: best of the same "
-    "repetitions, memcpy / raw write timed right next to each save, raw write and save alternating.",
+    "repetitions, memcpy / raw write timed right next to each save, raw writes and save in rotating order. "
+    "The stall target: each save ÷ the mean of the threaded copies timed right before and right after it, "
+    "the median over saves 2..N (slowest rank's figures).",
     "- Peers: best of their rounds (the first is cold: free heap handed back; RSS figures come from it). "
     "Peer persist GB/s = (state bytes ÷ ranks) ÷ time to durable, the same rank-share figure as ours. "
     "`torch.save` and Lightning run on rank 0 only; Lightning's total includes an `fsync` after `teardown()`.",
@@ -128,20 +130,26 @@ def world_rows(world: int, agg: Agg) -> list[Row]:
 
 def paired_stall(w: str, agg: Agg) -> list[Row]:
     """The stall target: the median over saves 2..N of each stall ÷ the threaded copy of the same
-    bytes timed next to it (the slowest rank's), robust to the machine's drift between saves; the
-    copy runs before the save in even repetitions and after it in odd ones (runs before session 15:
-    always before), and each order's median is shown beside it."""
+    bytes timed next to it (the slowest rank's), robust to the machine's drift between saves. Since
+    session 16 the copy runs on both sides of every save and the save is judged against their mean,
+    each side's median shown beside it; session 15's runs alternated the side (before the save in
+    even repetitions, after it in odd ones), earlier runs timed it always before."""
     if "paired" not in agg:
         return []
     paired = agg["paired"]
-    both = "stall_vs_copy_median_save_first" in paired
-    rows = [_row(w, "stall ÷ copy on the rank's cores next to it (median of saves 2..N"
-                 + (", both orders)" if both else ", copy first)"), "×", paired["stall_vs_copy_median"],
-                 ("same bytes, same moment", 1.0), {}, True, "≤ 1.10 × limit", lambda o, lim: o <= 1.10 * lim)]
-    for key, label in (("limit_first", "copy right before the save"), ("save_first", "copy right after it")):
-        if both and f"stall_vs_copy_median_{key}" in paired:
-            n = int(paired[f"pairs_{key}"])
-            rows.append(_row(w, f"of which {label} ({n} save{'s' if n != 1 else ''})", "×",
+    sides = (("before", "copy right before the save", "pairs"), ("after", "copy right after it", "pairs"))
+    label = "on both sides of it (their mean"
+    if "stall_vs_copy_median_before" not in paired:
+        sides = (("limit_first", "copy right before the save", "pairs_limit_first"),
+                 ("save_first", "copy right after it", "pairs_save_first"))
+        label = "next to it (" + ("both orders" if "stall_vs_copy_median_save_first" in paired else "copy first")
+    rows = [_row(w, f"stall ÷ copy on the rank's cores {label}, median of saves 2..N)", "×",
+                 paired["stall_vs_copy_median"], ("same bytes, same moment", 1.0), {}, True, "≤ 1.10 × limit",
+                 lambda o, lim: o <= 1.10 * lim)]
+    for key, side, count in sides:
+        if f"stall_vs_copy_median_{key}" in paired:
+            n = int(paired[count])
+            rows.append(_row(w, f"of which against the {side} alone ({n} save{'s' if n != 1 else ''})", "×",
                              paired[f"stall_vs_copy_median_{key}"], ("same bytes, same moment", 1.0), {}, True,
                              "info", None))
     return rows

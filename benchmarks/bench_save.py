@@ -8,7 +8,7 @@ One run measures, on the same replicated state and within the same processes:
 * ours: ``Checkpointer.save`` (the stall), until ``wait()`` returns (committed), ``load()``,
   peak extra RSS. Each repetition times memcpy, raw write and our save back to back (the raw
   write and our save in alternating order), so that limit and engine see the same machine; the
-  threaded copy limit is timed next to each save, before it and after it in alternate repetitions;
+  threaded copy limit is timed on both sides of every save, right before it and right after it;
 * peers: ``torch.save`` (+ ``fsync``) / ``torch.load`` on rank 0, Lightning's ``AsyncCheckpointIO``
   on rank 0, ``torch.distributed.checkpoint`` ``save`` / ``async_save`` / ``load`` on every rank.
 
@@ -192,8 +192,8 @@ def bench_raw_read(ctx: RankCtx) -> Metrics:
 def bench_ours(ctx: RankCtx) -> dict[str, Metrics]:
     """``reps`` saves of ``Checkpointer`` (stall, until committed, peak RSS growth), then ``load()``.
 
-    Each repetition first times the memcpy limit, then the raw write and our save, in
-    alternating order (A B, B A, ...): the disk of this machine changes speed by several times
+    Each repetition first times the memcpy limit, then the raw writes and our save (bracketed by
+    the threaded copy limit), in rotating order: the disk of this machine changes speed by several times
     with what was written and deleted just before (see ``KEEP_LAST``), so limits taken minutes
     apart would not bound anything.
     """
@@ -205,17 +205,18 @@ def bench_ours(ctx: RankCtx) -> dict[str, Metrics]:
     ck = Checkpointer(ctx.path("ours"), comm=TorchDistComm() if ctx.world > 1 else LocalComm(), keep_last=KEEP_LAST)
     probe, memcpy, memcpy_t, writes, dwrites, saves = MemProbe(), [], [], [], [], []
 
-    def limit() -> None:
+    def limit() -> float:
         ctx.barrier()
         memcpy_t.append(timed(copy_threads)[0])
+        return memcpy_t[-1]
 
     def save() -> None:
-        # The copy limit of the same bytes is timed right next to each save: before it in even
-        # repetitions, after it (once committed) in odd ones. Which of the two runs first, right after a
-        # 1 GiB write, changes their ratio here by up to 0.1 (session 14's probe), so both orders count.
-        limit_first = len(saves) % 2 == 0
-        if limit_first:
-            limit()
+        # The copy limit of the same bytes is timed on both sides of every save: right before it and
+        # right after it (once committed and the retention done), and the save is judged against their
+        # mean. Which of the two runs first after a 1 GiB write moves their ratio here by up to 0.1
+        # (session 14's probe), and the machine drifts between saves (the same copy took 96-161 ms within
+        # one run): the mean of both sides cancels a drift that is linear over the save.
+        before = limit()
         ctx.barrier()
         probe.start(keep_baseline=bool(saves), trim=not saves)
         stall, total, handle = timed_save(ck, ctx.state, len(saves))  # then waits for the retention
@@ -223,9 +224,8 @@ def bench_ours(ctx: RankCtx) -> dict[str, Metrics]:
         saves.append({"stall_s": stall, "total_s": total, "mem_extra_bytes": probe.peak_extra(),
                       "snapshot_s": rec.snapshot_s, "persist_s": rec.persist_s, "commit_s": rec.commit_s,
                       "other_s": total - stall - rec.persist_s - rec.commit_s, "share_bytes": rec.bytes,
-                      "limit_first": float(limit_first)})
-        if not limit_first:
-            limit()
+                      "copy_before_s": before})
+        saves[-1]["copy_after_s"] = limit()
 
     def write() -> None:
         ctx.barrier()
@@ -252,7 +252,7 @@ def bench_ours(ctx: RankCtx) -> dict[str, Metrics]:
     ours = _ours_metrics(saves, loads)
     return {"memcpy": {"stall_s": min(memcpy), "share_bytes": buf.numel(), **_numbered(memcpy)},
             "memcpy_threads": {"stall_s": min(memcpy_t), "threads": torch.get_num_threads(), **_numbered(memcpy_t)},
-            "paired": {**paired_stalls(saves, memcpy_t), **paired},
+            "paired": {**paired_stalls(saves), **paired},
             "raw_write": {"total_first_s": writes[0], "total_s": min(writes[1:] or writes), "bytes": buf.numel(),
                           **_numbered(writes)},
             "raw_write_direct": {"total_first_s": dwrites[0], "total_s": min(dwrites[1:] or dwrites),
@@ -260,18 +260,19 @@ def bench_ours(ctx: RankCtx) -> dict[str, Metrics]:
             "ours": ours}
 
 
-def paired_stalls(saves: list[Metrics], copies: list[float]) -> Metrics:
-    """Each save's stall ÷ the copy limit timed next to it, over saves 2..N (all of them when there
-    is one): the median of all, and of the pairs whose limit ran first and ran second. Pure."""
-    pairs = list(zip(saves, copies))
-    steady = pairs[1:] or pairs
-    out: Metrics = {"stall_vs_copy_median": statistics.median(s["stall_s"] / m for s, m in steady)}
-    for name, first in (("limit_first", 1.0), ("save_first", 0.0)):
-        ratios = [s["stall_s"] / m for s, m in steady if s["limit_first"] == first]
-        if ratios:
-            out[f"stall_vs_copy_median_{name}"] = statistics.median(ratios)
-            out[f"pairs_{name}"] = float(len(ratios))
-    return out
+def paired_stalls(saves: list[Metrics]) -> Metrics:
+    """Each save's stall ÷ the mean of the copy limits timed right before and right after it, over
+    saves 2..N (all of them when there is one): the median (the target), and, informative, the
+    medians against the copy before and the copy after alone. Pure."""
+    steady = saves[1:] or saves
+
+    def median_vs(limit: Callable[[Metrics], float]) -> float:
+        return statistics.median(s["stall_s"] / limit(s) for s in steady)
+
+    return {"stall_vs_copy_median": median_vs(lambda s: (s["copy_before_s"] + s["copy_after_s"]) / 2),
+            "stall_vs_copy_median_before": median_vs(lambda s: s["copy_before_s"]),
+            "stall_vs_copy_median_after": median_vs(lambda s: s["copy_after_s"]),
+            "pairs": float(len(steady))}
 
 
 def _numbered(values: list[float]) -> Metrics:
