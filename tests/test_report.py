@@ -250,3 +250,55 @@ def test_timed_save_times_stall_and_commit_and_waits_for_the_retention_untimed(m
     stall, total, handle = timed_save(Ck(), {}, 3, defer=True)
     assert Ck.log == ["save 3 {'defer': True}", "commit", "retention"] and handle == "handle"
     assert 0.05 <= stall < 0.15 <= total < 0.4, (stall, total)
+
+
+def test_pooling_runs_takes_every_pair_of_every_run_as_the_slowest_rank_s_times(monkeypatch):
+    """benchmarks/pool_runs.py: the pairs of several bench_save runs pooled per world size and
+    target, each pair the ratio of the slowest rank's times; the pooled median, a deterministic
+    bootstrap interval around it, each run's own median, and the verdict against the target."""
+    monkeypatch.syspath_prepend(os.path.join(HERE, "..", "benchmarks"))
+    import pool_runs
+
+    def rank(stalls, befores, afters, afters_stall, raws, cold):
+        ours = {}
+        for i, (s, b, a, p) in enumerate(zip(stalls, befores, afters, afters_stall), 1):
+            ours.update({f"rep{i}_stall_s": s, f"rep{i}_copy_before_s": b, f"rep{i}_copy_after_s": a,
+                         f"rep{i}_after_stall_s": p})
+        writes = {f"rep{i}_s": w for i, w in enumerate(raws, 1)}
+        paired = {}
+        for i, (o, r) in enumerate(cold, 1):
+            paired.update({f"restore_cold_{i}_ours_s": o, f"restore_cold_{i}_raw_s": r})
+        return {"ours": ours, "raw_write": writes, "raw_write_direct": {k: v * 2 for k, v in writes.items()},
+                "paired": paired}
+
+    # rank 1 is slower at the second save (its stall and its copies): the pair divides the slowest times
+    r0 = rank([9, 1.0, 1.1], [1, 1.0, 1.0], [1, 1.0, 1.0], [9, 2.0, 2.0], [1, 1.8, 2.0], [(1.0, 1.0), (2.0, 1.0)])
+    r1 = rank([9, 1.4, 1.0], [1, 1.2, 1.0], [1, 1.2, 1.0], [9, 2.0, 2.5], [1, 1.9, 2.0], [(1.0, 1.0), (1.0, 1.0)])
+    run1 = {"worlds": {"2": {"ranks": [r0, r1]}}}
+    pairs = pool_runs.world_pairs(run1["worlds"]["2"]["ranks"])
+    assert pairs["stall"] == pytest.approx([1.4 / 1.2, 1.1 / 1.0])  # saves 2..N
+    assert pairs["persist"] == pytest.approx([1.9 / 2.0, 2.0 / 2.5])  # the faster raw write (buffered here)
+    assert pairs["restore_cold"] == pytest.approx([1.0, 0.5])
+    run2 = {"worlds": {"2": {"ranks": [rank([9, 1.0, 1.0], [1, 1, 1], [1, 1, 1], [9, 2, 2], [1, 2, 2],
+                                            [(1.0, 1.0)])]}, "1": {"ranks": []}}}
+    pooled = {p.target: p for p in pool_runs.pool([run1, run2])}  # only world 2 is in both
+    stall = pooled["stall"]
+    assert stall.world == "2" and stall.pairs == 4
+    assert stall.median == pytest.approx(statistics.median([1.4 / 1.2, 1.1, 1.0, 1.0]))
+    assert stall.runs == pytest.approx((statistics.median([1.4 / 1.2, 1.1]), 1.0))
+    assert stall.low <= stall.median <= stall.high and stall.met  # 1.05 ≤ 1.10
+    assert pool_runs.pool([run1, run2]) == pool_runs.pool([run1, run2])  # the same input, the same intervals
+    assert pooled["persist"].median == pytest.approx(0.975) and pooled["persist"].met
+    assert pooled["restore_cold"].pairs == 3 and pooled["restore_cold"].median == pytest.approx(1.0)
+    table = pool_runs.markdown(list(pooled.values()), ["A", "B"])
+    assert table.count("\n") == 2 + len(pooled) and "| A | B |" in table
+
+
+def test_pooling_reads_runs_that_timed_the_copy_on_one_side_of_each_save(monkeypatch):
+    """Session 15's runs (and earlier ones) timed one threaded copy per save: each save pairs with it."""
+    monkeypatch.syspath_prepend(os.path.join(HERE, "..", "benchmarks"))
+    import pool_runs
+
+    r = {"ours": {"rep1_stall_s": 5.0, "rep2_stall_s": 1.1, "rep3_stall_s": 1.2},
+         "memcpy_threads": {"rep1_s": 1.0, "rep2_s": 1.0, "rep3_s": 1.0}}
+    assert pool_runs.rank_pairs(r)["stall"] == pytest.approx([1.1, 1.2])

@@ -1,0 +1,170 @@
+"""Pool the paired figures of several ``bench_save`` runs: one median per target, with its interval.
+
+Each of ``bench_save``'s paired targets is a median over 5-9 pairs of one run, and single pairs on
+this VM range 0.7-1.6 (the same 1 GiB copy took 96-161 ms within one run, a cold read 0.5-3.4 s per
+GiB), so a run's median lands on either side of a target by luck, a different target each run. This
+script takes the runs' raw JSON (``bench_save.py --out DIR`` writes ``DIR/bench_save.json``) and, per
+world size and target, pools every pair of every run: the pooled median, a 95 % bootstrap interval
+of it (pairs resampled with replacement, 4000 times, a fixed seed: the same input gives the same
+table), and each run's own median beside it, so that a difference between runs stays visible.
+
+A pair's figure is the job's: every time in it is the slowest rank's (the training waits for the
+slowest rank's stall, a commit for every rank's files), as in the run's own persist and restore rows;
+the run's stall row takes the slowest rank's median of its own ratios instead, so its figure can
+differ from the per-run median here by a few hundredths. The pairs:
+
+* stall: each save 2..N ÷ the mean of the threaded copies timed right before and right after it
+  (runs of session 15 and earlier, which timed one side only, pair with that side);
+* persist: the faster raw write + fsync of the round ÷ our time after the stall, saves 2..N;
+* restore, cold and warm: the raw read into fresh memory of the round ÷ our ``load()``.
+
+Usage::
+
+    .venv/bin/python benchmarks/pool_runs.py RUN_A/bench_save.json RUN_B/bench_save.json ... [--out F.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import statistics
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+Metrics = dict[str, float]
+TARGETS: dict[str, tuple[str, Callable[[float], bool]]] = {
+    "stall": ("≤ 1.10", lambda x: x <= 1.10),
+    "persist": ("≥ 0.90", lambda x: x >= 0.90),
+    "restore_cold": ("≥ 0.90", lambda x: x >= 0.90),
+    "restore_warm": ("≥ 0.90", lambda x: x >= 0.90),
+}
+LABELS = {
+    "stall": "stall ÷ the copy on the rank's cores on both sides of it",
+    "persist": "persist ÷ raw write + fsync of the same round",
+    "restore_cold": "restore ÷ raw read into fresh memory, cold",
+    "restore_warm": "restore ÷ raw read into fresh memory, warm",
+}
+@dataclass(frozen=True)
+class Pooled:
+    """One target of one world size, pooled over runs."""
+
+    world: str
+    target: str
+    median: float
+    low: float
+    high: float
+    pairs: int
+    runs: tuple[float, ...]
+    """Each run's own median of the same pairs (in the order the runs were given)."""
+
+    @property
+    def met(self) -> bool:
+        return TARGETS[self.target][1](self.median)
+
+
+def _numbered(m: Metrics, key: Callable[[int], str], start: int) -> list[int]:
+    return list(itertools.takewhile(lambda i: key(i) in m, itertools.count(start)))
+
+
+def rank_pairs(rank: dict[str, Metrics]) -> dict[str, list[float]]:
+    """The per-pair ratios of each target of one rank's times (or of the slowest rank's). Pure."""
+    ours, copies = rank["ours"], rank.get("memcpy_threads", {})
+    out: dict[str, list[float]] = {}
+    steady = _numbered(ours, lambda i: f"rep{i}_stall_s", 2)
+    if all(f"rep{i}_copy_before_s" in ours for i in steady):
+        out["stall"] = [ours[f"rep{i}_stall_s"] / ((ours[f"rep{i}_copy_before_s"] + ours[f"rep{i}_copy_after_s"]) / 2)
+                        for i in steady]
+    elif all(f"rep{i}_s" in copies for i in steady):  # one copy per save, on one side of it
+        out["stall"] = [ours[f"rep{i}_stall_s"] / copies[f"rep{i}_s"] for i in steady]
+    buffered, direct = rank.get("raw_write", {}), rank.get("raw_write_direct", {})
+    rounds = [i for i in _numbered(ours, lambda i: f"rep{i}_after_stall_s", 2)
+              if f"rep{i}_s" in buffered and f"rep{i}_s" in direct]
+    if rounds:
+        out["persist"] = [min(buffered[f"rep{i}_s"], direct[f"rep{i}_s"]) / ours[f"rep{i}_after_stall_s"]
+                          for i in rounds]
+    paired = rank.get("paired", {})
+    for cache in ("cold", "warm"):
+        found = _numbered(paired, lambda i: f"restore_{cache}_{i}_ours_s", 1)
+        if found:
+            out[f"restore_{cache}"] = [paired[f"restore_{cache}_{i}_raw_s"] / paired[f"restore_{cache}_{i}_ours_s"]
+                                       for i in found]
+    return out
+
+
+def slowest(ranks: Sequence[dict[str, Metrics]]) -> dict[str, Metrics]:
+    """Per contender and figure, the largest value any rank reported (every figure used here is a
+    time). Pure."""
+    merged: dict[str, Metrics] = {}
+    for rank in ranks:
+        for name, metrics in rank.items():
+            into = merged.setdefault(name, {})
+            for key, value in metrics.items():
+                into[key] = max(into.get(key, value), value)
+    return merged
+
+
+def world_pairs(ranks: Sequence[dict[str, Metrics]]) -> dict[str, list[float]]:
+    """Per target, each pair's ratio of the slowest rank's times. Pure."""
+    return rank_pairs(slowest(ranks))
+
+
+def bootstrap_median(values: Sequence[float], rounds: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """A 95 % percentile-bootstrap interval of the median of ``values`` (deterministic). Pure."""
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(rounds))
+    return meds[int(0.025 * rounds)], meds[int(0.975 * rounds) - 1]
+
+
+def pool(runs: Sequence[dict[str, Any]]) -> list[Pooled]:
+    """Every target of every world size the runs share, pooled (see the module docstring). Pure."""
+    out: list[Pooled] = []
+    worlds = sorted(set.intersection(*(set(r["worlds"]) for r in runs)), key=int)
+    for world in worlds:
+        per_run = [world_pairs(r["worlds"][world]["ranks"]) for r in runs]
+        for target in TARGETS:
+            if not all(target in p for p in per_run):
+                continue
+            values = [x for p in per_run for x in p[target]]
+            low, high = bootstrap_median(values)
+            out.append(Pooled(world, target, statistics.median(values), low, high, len(values),
+                              tuple(statistics.median(p[target]) for p in per_run)))
+    return out
+
+
+def markdown(pooled: Sequence[Pooled], names: Sequence[str]) -> str:
+    """The pooled table: one row per world size and target."""
+    lines = ["| ranks | figure | pooled median | 95 % interval | pairs | " + " | ".join(names) + " | target | met |",
+             "|---|---|---|---|---|" + "---|" * len(names) + "---|---|"]
+    for p in pooled:
+        runs = " | ".join(f"{m:.3f}" for m in p.runs)
+        lines.append(f"| {p.world} | {LABELS[p.target]} | {p.median:.3f} | {p.low:.3f}-{p.high:.3f} | {p.pairs} | "
+                     f"{runs} | {TARGETS[p.target][0]} | {'yes' if p.met else '**no**'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="+", help="bench_save.json files of the runs to pool")
+    p.add_argument("--names", default=None, help="comma-separated column names of the runs (default: run 1, 2, ...)")
+    p.add_argument("--out", default=None, help="also write the table to this markdown file")
+    args = p.parse_args(argv)
+    runs = []
+    for path in args.runs:
+        with open(path) as f:
+            runs.append(json.load(f))
+    names = args.names.split(",") if args.names else [f"run {i}" for i in range(1, len(runs) + 1)]
+    if len(names) != len(runs):
+        p.error(f"--names gives {len(names)} names for {len(runs)} runs")
+    table = markdown(pool(runs), names)
+    sys.stdout.write(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
