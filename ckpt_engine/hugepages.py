@@ -18,8 +18,10 @@ nothing. ``CKPT_HUGEPAGES=0`` in the environment turns it off.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import sys
+from math import prod
 from typing import Sequence
 
 import torch
@@ -56,7 +58,29 @@ def advise(t: torch.Tensor) -> bool:
 
 
 def empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.empty(shape, dtype=dtype)`` on the CPU, advised to huge pages when large."""
-    t = torch.empty(tuple(shape), dtype=dtype)
-    advise(t)
-    return t
+    """``torch.empty(shape, dtype=dtype)`` on the CPU, on huge pages from its first byte when large.
+
+    A large tensor gets an anonymous mapping of its own and starts on a 2 MiB boundary of it, the
+    whole of it advised. Why not torch's allocator: it aligns to 64 bytes, so advising a tensor
+    from it left the partial 2 MiB at each end in 4 KiB pages. That is 1/8 of a 16 MiB tensor, and
+    ~35,000 of the ~35,500 page faults of restoring 1 GiB of them here; the pages ~60 ms of that
+    restore's 0.3 s. The tensor's storage is exactly its bytes, as ``torch.empty``'s, and is freed
+    with it; unlike that, it cannot be resized larger in place (as ``torch.from_numpy``'s cannot).
+    Elsewhere, or when the mapping is refused, ``torch.empty`` with :func:`advise`.
+    """
+    shape = tuple(shape)
+    nbytes = prod(shape) * dtype.itemsize
+    if _MADVISE is None or nbytes < MIN_BYTES:
+        return torch.empty(shape, dtype=dtype)
+    try:
+        area = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except (OSError, ValueError):
+        t = torch.empty(shape, dtype=dtype)
+        advise(t)
+        return t
+    anchor = ctypes.c_char.from_buffer(area)
+    base = ctypes.addressof(anchor)
+    del anchor  # a live export would keep the mapping from ever being released
+    offset = -base % HUGE_PAGE
+    _MADVISE(base + offset, nbytes // HUGE_PAGE * HUGE_PAGE, _MADV_HUGEPAGE)  # before any byte is touched
+    return torch.frombuffer(area, dtype=torch.uint8, count=nbytes, offset=offset).view(dtype).view(shape)
