@@ -9,8 +9,9 @@ the device 0.75 against 0.81 s (median of 6 alternated, 2 threads; an earlier ke
 had made the cold case 2.9 x slower, which no longer shows). Linux
 backs an anonymous mapping with huge pages where it is advised to (``madvise(MADV_HUGEPAGE)``, the
 ``madvise`` mode of ``/sys/kernel/mm/transparent_hugepage/enabled``, the common default), so
-:func:`empty` advises the 2 MiB-aligned interior of each large allocation before anything touches
-it, as torch's own ``THP_MEM_ALLOC_ENABLE=1`` does for every allocation. The kernel falls back to
+:func:`empty` puts each large allocation on a 2 MiB boundary of a mapping of its own and advises
+all of it before anything touches it, as torch's own ``THP_MEM_ALLOC_ENABLE=1`` does for every
+allocation (:func:`advise` does what it can for a tensor allocated elsewhere: its whole 2 MiB pages). The kernel falls back to
 small pages when it has no huge page to give; elsewhere (other systems, pinned memory) this does
 nothing. ``CKPT_HUGEPAGES=0`` in the environment turns it off.
 """
@@ -62,9 +63,11 @@ def empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
 
     A large tensor gets an anonymous mapping of its own and starts on a 2 MiB boundary of it, the
     whole of it advised. Why not torch's allocator: it aligns to 64 bytes, so advising a tensor
-    from it left the partial 2 MiB at each end in 4 KiB pages. That is 1/8 of a 16 MiB tensor, and
-    ~35,000 of the ~35,500 page faults of restoring 1 GiB of them here; the pages ~60 ms of that
-    restore's 0.3 s. The tensor's storage is exactly its bytes, as ``torch.empty``'s, and is freed
+    from it left the partial 2 MiB at each end in 4 KiB pages: 1/8 of a 16 MiB tensor (filling one
+    faults 8 times now). A size that is not a multiple of 2 MiB still ends in 4 KiB pages: of the
+    ~33,300 faults of restoring the benchmark's 1 GiB (64 tensors of 15.8 MiB; ~35,300 before) about
+    30,000 are those tails. A huge page there too would cost up to 2 MiB of memory per tensor, left
+    for later. The tensor's storage is exactly its bytes, as ``torch.empty``'s, and is freed
     with it; unlike that, it cannot be resized larger in place (as ``torch.from_numpy``'s cannot).
     Elsewhere, or when the mapping is refused, ``torch.empty`` with :func:`advise`.
     """

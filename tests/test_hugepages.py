@@ -81,8 +81,8 @@ def _thp_advisable() -> bool:
                     reason="needs Linux transparent huge pages (madvise or always)")
 def test_a_large_tensor_is_huge_pages_from_its_first_byte_to_its_last(tmp_path):
     """torch's allocator aligns to 64 bytes, so advising a tensor from it left its first and last
-    partial 2 MiB in 4 KiB pages: 1/8 of a restored 16 MiB tensor, the ~35,000 minor faults of a 1 GiB
-    restore here where huge pages take ~600. A large ``empty`` starts on a 2 MiB boundary of a mapping
+    partial 2 MiB in 4 KiB pages: 1/8 of a restored 16 MiB tensor (about 4,000 minor faults for 8 of
+    them, where huge pages take 64). A large ``empty`` starts on a 2 MiB boundary of a mapping
     of its own (its storage exactly its bytes), and a restore of 16 MiB tensors faults a few times per
     tensor, not 512."""
     import resource
