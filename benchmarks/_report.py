@@ -155,16 +155,21 @@ def paired_stall(w: str, agg: Agg) -> list[Row]:
     return rows
 
 
-def paired_persist(agg: Agg) -> float | None:
-    """The persist target, paired like the stall's: the median over saves 2..N of the faster raw
-    write + fsync of the same round (buffered or ``O_DIRECT``; each round runs the raw writes and
-    our save back to back, in rotating order) ÷ our time after the stall in that round; ``None``
-    without per-round figures. One save's disk time drifts 1.0-1.8 s per GiB here from round to
-    round, so two best-of figures mostly say which side was lucky."""
+def persist_ratios(agg: Agg) -> list[float]:
+    """The persist target's pairs: per round 2..N, the faster raw write + fsync of the round
+    (buffered or ``O_DIRECT``; each round runs the raw writes and our save back to back, in rotating
+    order) ÷ our time after the stall in that round; empty without per-round figures. Pure."""
     ours, buffered, direct = agg["ours"], agg.get("raw_write", {}), agg.get("raw_write_direct", {})
     rounds = itertools.takewhile(lambda i: f"rep{i}_after_stall_s" in ours, itertools.count(2))
-    ratios = [min(buffered[f"rep{i}_s"], direct[f"rep{i}_s"]) / ours[f"rep{i}_after_stall_s"] for i in rounds
-              if f"rep{i}_s" in buffered and f"rep{i}_s" in direct]
+    return [min(buffered[f"rep{i}_s"], direct[f"rep{i}_s"]) / ours[f"rep{i}_after_stall_s"] for i in rounds
+            if f"rep{i}_s" in buffered and f"rep{i}_s" in direct]
+
+
+def paired_persist(agg: Agg) -> float | None:
+    """The persist target, paired like the stall's: the median of :func:`persist_ratios`; ``None``
+    without per-round figures. One save's disk time drifts 1.0-1.8 s per GiB here from round to
+    round, so two best-of figures mostly say which side was lucky."""
+    ratios = persist_ratios(agg)
     return statistics.median(ratios) if ratios else None
 
 

@@ -34,6 +34,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from _report import persist_ratios
+from bench_save import _slowest
+
 Metrics = dict[str, float]
 TARGETS: dict[str, tuple[str, Callable[[float], bool]]] = {
     "stall": ("≤ 1.10", lambda x: x <= 1.10),
@@ -79,12 +82,9 @@ def rank_pairs(rank: dict[str, Metrics]) -> dict[str, list[float]]:
                         for i in steady]
     elif all(f"rep{i}_s" in copies for i in steady):  # one copy per save, on one side of it
         out["stall"] = [ours[f"rep{i}_stall_s"] / copies[f"rep{i}_s"] for i in steady]
-    buffered, direct = rank.get("raw_write", {}), rank.get("raw_write_direct", {})
-    rounds = [i for i in _numbered(ours, lambda i: f"rep{i}_after_stall_s", 2)
-              if f"rep{i}_s" in buffered and f"rep{i}_s" in direct]
-    if rounds:
-        out["persist"] = [min(buffered[f"rep{i}_s"], direct[f"rep{i}_s"]) / ours[f"rep{i}_after_stall_s"]
-                          for i in rounds]
+    persist = persist_ratios(rank)
+    if persist:
+        out["persist"] = persist
     paired = rank.get("paired", {})
     for cache in ("cold", "warm"):
         found = _numbered(paired, lambda i: f"restore_{cache}_{i}_ours_s", 1)
@@ -94,21 +94,10 @@ def rank_pairs(rank: dict[str, Metrics]) -> dict[str, list[float]]:
     return out
 
 
-def slowest(ranks: Sequence[dict[str, Metrics]]) -> dict[str, Metrics]:
-    """Per contender and figure, the largest value any rank reported (every figure used here is a
-    time). Pure."""
-    merged: dict[str, Metrics] = {}
-    for rank in ranks:
-        for name, metrics in rank.items():
-            into = merged.setdefault(name, {})
-            for key, value in metrics.items():
-                into[key] = max(into.get(key, value), value)
-    return merged
-
-
 def world_pairs(ranks: Sequence[dict[str, Metrics]]) -> dict[str, list[float]]:
-    """Per target, each pair's ratio of the slowest rank's times. Pure."""
-    return rank_pairs(slowest(ranks))
+    """Per target, each pair's ratio of the slowest rank's times (every figure used here is a time,
+    which ``_slowest`` merges by the largest). Pure."""
+    return rank_pairs(_slowest(list(ranks)))
 
 
 def bootstrap_median(values: Sequence[float], rounds: int = 4000, seed: int = 0) -> tuple[float, float]:
