@@ -119,6 +119,13 @@ class Places:
         self.targets: dict[int, list[Target]] = {}
         for t in targets:
             self.targets.setdefault(t.tensor, []).append(t)
+        # The bytes of each tensor's target where pieces can be read in place (one contiguous CPU
+        # target), and its element size: once per target, not once per piece (the torch calls
+        # were ~5 us a piece, most of what a restore does between its reads).
+        self._flat: dict[int, tuple[memoryview, int]] = {
+            i: (memoryview(ts[0].out.reshape(-1).view(torch.uint8).numpy()), ts[0].out.element_size())
+            for i, ts in self.targets.items()
+            if len(ts) == 1 and ts[0].out.device.type == "cpu" and ts[0].out.is_contiguous()}
 
     def chunk(self, e: IndexEntry) -> Box:
         """The box ``e``'s element range is of: its chunk, or the whole tensor."""
@@ -135,10 +142,10 @@ class Places:
 
     def in_place(self, e: IndexEntry) -> memoryview | None:
         """The bytes of the one target where ``e``'s elements are one run, or ``None`` (use a temporary)."""
-        targets = self.targets.get(e.tensor, ())
-        if len(targets) != 1 or targets[0].out.device.type != "cpu" or not targets[0].out.is_contiguous():
+        flat = self._flat.get(e.tensor)
+        if flat is None:
             return None
-        t, chunk = targets[0], self.chunk(e)
+        (t,), chunk = self.targets[e.tensor], self.chunk(e)
         at = e.start if chunk == t.box else None
         if at is None:
             whole = full_box(self.table[e.tensor].shape)
@@ -146,8 +153,8 @@ class Places:
             if c0 is None or t0 is None or not t0 <= c0 + e.start <= c0 + e.stop <= t0 + numel(t.box):
                 return None
             at = c0 + e.start - t0
-        item = t.out.element_size()
-        return memoryview(t.out.reshape(-1).view(torch.uint8).numpy())[at * item:(at + e.stop - e.start) * item]
+        data, item = flat
+        return data[at * item:(at + e.stop - e.start) * item]
 
     def destination(self, e: IndexEntry) -> tuple[memoryview, torch.Tensor | None]:
         """Where to read ``e``'s bytes: the target's own memory (``temp`` ``None``), or a new
@@ -345,13 +352,14 @@ def read_entries(storage: Storage, ck: Opened, jobs: Sequence[tuple[int, IndexEn
                   for e in run]
         bufs = [(k, b) for k, (_, dest, _, pad) in enumerate(placed) for b in (dest, pad) if len(b)]
         digests = [xxhash.xxh3_64() for _ in placed]
-        at = run[0].offset
-        for request in steps([len(b) for _, b in bufs], reader.verify_step):
-            views = [(bufs[j][0], bufs[j][1][lo:hi]) for j, lo, hi in request]
-            reader.read_many(at, [v for _, v in views])
-            for k, v in views:
-                digests[k].update(v)
-            at += sum(len(v) for _, v in views)
+        requests = [[(digests[bufs[j][0]].update, bufs[j][1][lo:hi]) for j, lo, hi in request]
+                    for request in steps([len(b) for _, b in bufs], reader.verify_step)]
+
+        def landed(i: int) -> None:
+            for update, view in requests[i]:
+                update(view)
+
+        reader.read_steps(run[0].offset, [[v for _, v in r] for r in requests], landed)
         for (e, _, temp, _), digest in zip(placed, digests):
             if digest.hexdigest() != e.xxh3:
                 raise CorruptionError(

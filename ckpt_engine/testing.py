@@ -160,14 +160,14 @@ class CountingStorage(Storage):
     def reader(self, rel: str) -> Any:
         inner = super().reader(rel)
         if rel.endswith(".bin"):
-            read_many = inner.read_many  # every read goes through it (read_into too)
+            read_steps = inner.read_steps  # every read goes through it (read_many and read_into too)
 
-            def counted(offset: int, dests: Any) -> None:
-                read_many(offset, dests)
+            def counted(offset: int, requests: Any, landed: Any) -> None:
+                read_steps(offset, requests, landed)
                 with self._lock:
-                    self.data_read += sum(len(d) for d in dests)
+                    self.data_read += sum(len(d) for dests in requests for d in dests)
 
-            inner.read_many = counted  # type: ignore[method-assign]
+            inner.read_steps = counted  # type: ignore[method-assign]
         return inner
 
 

@@ -150,3 +150,47 @@ def test_a_flipped_byte_in_a_later_step_is_named(tmp_path):
     named = r"rank-00000\.bin: checksum mismatch in tensor 'state\['weight'\]' \(elements 2097152:3145728"
     with Checkpointer(str(tmp_path)) as ck, pytest.raises(CorruptionError, match=named):
         ck.load(fallback=False)
+
+
+def test_read_steps_resumes_a_retried_read_at_the_first_request_not_landed(monkeypatch):
+    """A remote storage retries a whole operation after a transient error; a restore's checksums are
+    updated as each request lands, so a retry that began again at the first request would hash its
+    bytes twice (and fail a good checkpoint)."""
+    from ckpt_engine.storage.fsspec_storage import FsspecReader
+
+    storage = Storage(f"memory://steps-retry-{os.getpid()}")
+    data = os.urandom(5 * 1000)
+    _write(storage, data)
+    real, calls = FsspecReader._read, []
+
+    def flaky(self, offset, dest):
+        calls.append(offset)
+        if len(calls) == 3:
+            raise ConnectionError("connection reset by peer (injected)")
+        return real(self, offset, dest)
+
+    monkeypatch.setattr(FsspecReader, "_read", flaky)
+    requests = [[memoryview(bytearray(1000))] for _ in range(5)]
+    landed: list[int] = []
+    with storage.reader("d/f.bin") as r:
+        r.read_steps(0, requests, landed.append)
+    assert landed == [0, 1, 2, 3, 4]
+    assert calls == [0, 1000, 2000, 2000, 3000, 4000]  # the third request again, not the first
+    assert b"".join(bytes(q[0]) for q in requests) == data
+
+
+def test_a_local_restore_is_one_storage_operation_per_run_not_per_request(tmp_path, monkeypatch):
+    """Each storage operation costs an error-handling frame, a path description and a closure: at one
+    per 1 MiB request they cost a 1 GiB restore about as much as hashing it (single thread: 0.148 s
+    against 0.132 s for the same reads and checksums in a bare loop)."""
+    state = {"weight": torch.randn(3 << 20), "bias": torch.randn(100)}
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.save(state, 1)
+        ck.wait()
+        reads = []
+        real = local_storage.LocalStorage.run
+        monkeypatch.setattr(local_storage.LocalStorage, "run", lambda self, action, rel, fn: (
+            reads.append(rel) if action == "read" and rel.endswith(".bin") else None) or real(self, action, rel, fn))
+        back = ck.load()
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+    assert 1 <= len(reads) <= 4, reads  # 12 MiB in 1 MiB requests: 13 operations before
