@@ -37,8 +37,9 @@ NOTES = (
     "- Restores return new tensors, so they pay first-touch page faults; the limit is a raw read into a freshly "
     "allocated buffer. Cold: every file of the contender `fsync`ed and dropped from the page cache "
     "(`posix_fadvise(DONTNEED)`) before each load; warm: read through once before. Best of the peer rounds. "
-    "The restore target: per round, our `load()` and a raw read into fresh plain memory right after each "
-    "other (alternating order; the raw read on the rank's cores, into 4 KiB or huge pages, the faster), "
+    "The restore target: per round, one `load()` and one raw read into fresh memory right after each "
+    "other (alternating order; the raw read on the rank's cores, into 4 KiB or huge pages, whichever read "
+    "faster before the rounds), "
     "the median over the rounds of raw time ÷ ours (slowest rank). The persist target is paired the same way: "
     "per round, the faster raw write + fsync ÷ our time after the stall (saves 2..N, slowest rank's figures).",
     f"- Memory: peak RSS growth (VmHWM after `malloc_trim` and a reset); {MEM_SLACK_MIB} MiB allowed for "

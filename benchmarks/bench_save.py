@@ -292,8 +292,9 @@ def best_loads(ctx: RankCtx, paths: list[str], load: Callable[[], Any]) -> Metri
 def paired_restores(ctx: RankCtx, load: Callable[[], Any]) -> Metrics:
     """The restore target, robust to this machine's drift: ``ctx.reps`` rounds, each timing our
     ``load()`` and a raw read of every rank's raw file (the same bytes) on the rank's cores
-    (``read_fresh``) into freshly allocated memory, the faster of 4 KiB and huge pages
-    (``FRESH_MEMORY``) as in ``bench_raw_read``, right after each other in alternating order, cold
+    (``read_fresh``) into freshly allocated memory, of the kind (``FRESH_MEMORY``: 4 KiB or huge
+    pages) that read faster before the rounds (``restore_raw_huge_pages``: 1 for huge pages),
+    right after each other in alternating order, one of each per round, cold
     (``restore_vs_raw_cold_median``) and warm (``..._warm_median``): the median of the rounds' time
     ratios, ours ÷ raw. Also each round's times (``restore_<cache>_<round>_{ours,raw}_s``) and the
     median of our load's minor page faults (``restore_<cache>_minor_faults_median``; 262144 would be
@@ -316,10 +317,17 @@ def paired_restores(ctx: RankCtx, load: Callable[[], Any]) -> Metrics:
         del loaded
         return seconds
 
-    def limit(cold: bool) -> float:
-        return min(read_fresh(ctx, raw, nbytes, cold, allocate) for allocate in FRESH_MEMORY)
+    # The faster kind of fresh memory, chosen once (warm reads, 3 of each): every round then times
+    # one raw read against one load. Sessions 9-16 took the faster of a 4 KiB and a huge-page read
+    # in every round, a best of two against a single load: it filtered the raw read's stalls out
+    # (rounds 8-10 times slower, 2 of 10 in a run) and left ours' in (4-6 of 10).
+    kind = min(FRESH_MEMORY, key=lambda allocate: statistics.median(
+        read_fresh(ctx, raw, nbytes, False, allocate) for _ in range(3)))
 
-    out: Metrics = {}
+    def limit(cold: bool) -> float:
+        return read_fresh(ctx, raw, nbytes, cold, kind)
+
+    out: Metrics = {"restore_raw_huge_pages": float(kind is _huge_pages)}
     for cache, cold in (("cold", True), ("warm", False)):
         ratios = []
         for i in range(ctx.reps):
