@@ -289,6 +289,21 @@ def best_loads(ctx: RankCtx, paths: list[str], load: Callable[[], Any]) -> Metri
     return best
 
 
+def faster_memory(ctx: RankCtx, paths: list[str], nbytes: int, reads: int = 5) -> Callable[[int], torch.Tensor]:
+    """The kind of fresh memory (``FRESH_MEMORY``) a warm raw read of ``paths`` fills faster: the lower
+    median of ``reads`` reads of each, alternated, summed over the ranks so that all of them read
+    into the same kind (with 3 reads each and no agreement, one rank of a run picked 4 KiB pages,
+    3-5 x slower here, and its restore target read 2.6 x)."""
+    times: dict[Callable[[int], torch.Tensor], list[float]] = {a: [] for a in FRESH_MEMORY}
+    for _ in range(reads):
+        for allocate in FRESH_MEMORY:
+            times[allocate].append(read_fresh(ctx, paths, nbytes, False, allocate))
+    medians = torch.tensor([statistics.median(times[a]) for a in FRESH_MEMORY], dtype=torch.float64)
+    if ctx.world > 1:
+        dist.all_reduce(medians)
+    return FRESH_MEMORY[int(medians.argmin())]
+
+
 def paired_restores(ctx: RankCtx, load: Callable[[], Any]) -> Metrics:
     """The restore target, robust to this machine's drift: ``ctx.reps`` rounds, each timing our
     ``load()`` and a raw read of every rank's raw file (the same bytes) on the rank's cores
@@ -317,12 +332,11 @@ def paired_restores(ctx: RankCtx, load: Callable[[], Any]) -> Metrics:
         del loaded
         return seconds
 
-    # The faster kind of fresh memory, chosen once (warm reads, 3 of each): every round then times
-    # one raw read against one load. Sessions 9-16 took the faster of a 4 KiB and a huge-page read
-    # in every round, a best of two against a single load: it filtered the raw read's stalls out
-    # (rounds 8-10 times slower, 2 of 10 in a run) and left ours' in (4-6 of 10).
-    kind = min(FRESH_MEMORY, key=lambda allocate: statistics.median(
-        read_fresh(ctx, raw, nbytes, False, allocate) for _ in range(3)))
+    # Every round times one raw read against one load, into the kind of fresh memory chosen once,
+    # here. Sessions 9-16 took the faster of a 4 KiB and a huge-page read in every round, a best of two
+    # against a single load: it filtered the raw read's stalls out (rounds 8-10 times slower, 2 of 10
+    # in a run) and left ours' in (4-6 of 10).
+    kind = faster_memory(ctx, raw, nbytes)
 
     def limit(cold: bool) -> float:
         return read_fresh(ctx, raw, nbytes, cold, kind)
