@@ -90,7 +90,8 @@ def empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     if _MADVISE is None or nbytes < MIN_BYTES:
         return torch.empty(shape, dtype=dtype)
     try:
-        area = mmap.mmap(-1, -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE  # room for a 2 MiB boundary and the advised tail
+        area = mmap.mmap(-1, span, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except (OSError, ValueError):
         t = torch.empty(shape, dtype=dtype)
         advise(t)
