@@ -334,8 +334,8 @@ def paired_restores(ctx: RankCtx, load: Callable[[], Any]) -> Metrics:
 
     # Every round times one raw read against one load, into the kind of fresh memory chosen once,
     # here. Sessions 9-16 took the faster of a 4 KiB and a huge-page read in every round, a best of two
-    # against a single load: it filtered the raw read's stalls out (rounds 8-10 times slower, 2 of 10
-    # in a run) and left ours' in (4-6 of 10).
+    # against a single load: a stall of the raw read counted only where it hit both of its reads (even
+    # so, warm raw reads 2-5 times slower than usual in 2 of 10 rounds per run; ours in 2-6 of 10).
     kind = faster_memory(ctx, raw, nbytes)
 
     def limit(cold: bool) -> float:

@@ -10,9 +10,9 @@ had made the cold case 2.9 x slower, which no longer shows). Linux
 backs an anonymous mapping with huge pages where it is advised to (``madvise(MADV_HUGEPAGE)``, the
 ``madvise`` mode of ``/sys/kernel/mm/transparent_hugepage/enabled``, the common default), so
 :func:`empty` puts each large allocation on a 2 MiB boundary of a mapping of its own and advises
-all of it before anything touches it, as torch's own ``THP_MEM_ALLOC_ENABLE=1`` does for every
-allocation (:func:`advise` does what it can for a tensor allocated elsewhere: its whole 2 MiB pages). The kernel falls back to
-small pages when it has no huge page to give; elsewhere (other systems, pinned memory) this does
+it before anything touches it, as torch's own ``THP_MEM_ALLOC_ENABLE=1`` does for every allocation
+(:func:`advise` does what it can for a tensor allocated elsewhere: its whole 2 MiB pages). The
+kernel falls back to small pages when it has no huge page to give; elsewhere (other systems, pinned memory) this does
 nothing. ``CKPT_HUGEPAGES=0`` in the environment turns it off.
 """
 

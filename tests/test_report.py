@@ -332,9 +332,9 @@ def test_every_timed_restore_starts_from_freshly_freed_memory(monkeypatch):
 
 def test_each_restore_round_times_one_raw_read_into_the_faster_memory_chosen_once(monkeypatch, tmp_path):
     """Sessions 9-16 took, in every round, the faster of a raw read into 4 KiB pages and one into
-    huge pages: a best of two against a single ``load()``. It filtered the raw read's stalls out (2 of
-    10 rounds 8-10 times slower in a run) and left ours' in (4-6 of 10). The kind of memory is chosen
-    once, before the rounds; each round then times one of each."""
+    huge pages: a best of two against a single ``load()``, so a stall of the raw read counted only where
+    it hit both of its reads (ours: 2-6 of 10 rounds per run). The kind of memory is chosen once,
+    before the rounds; each round then times one of each."""
     monkeypatch.syspath_prepend(os.path.join(HERE, "..", "benchmarks"))
     import bench_save
 
