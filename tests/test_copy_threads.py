@@ -1,4 +1,4 @@
-"""The snapshot copy on several threads (``copy_threads``): equal shares of the bytes, adjacent pieces
+"""The snapshot copy on several threads (``copy_threads``): chunks of the bytes taken in turn, adjacent pieces
 in one call, every byte copied once, the same buffer as one thread makes, CPU seconds of every thread counted."""
 
 from __future__ import annotations
