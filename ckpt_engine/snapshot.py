@@ -368,6 +368,8 @@ class _Chunks:
         self._left = len(self.runs)
         self._done = threading.Condition()
         self.helper_cpu = 0.0
+        self.error: BaseException | None = None
+        """What stopped a helper (re-raised by the caller: a chunk it took is not in the buffer)."""
 
     def take(self, helper: bool = True) -> None:
         """Copy chunks until none is left (on any thread); a helper's CPU seconds add to :attr:`helper_cpu`."""
@@ -376,6 +378,11 @@ class _Chunks:
             while (k := next(self._next)) < len(self.runs):
                 settled += 1  # settled once taken: copied, or given up by an exception
                 _copy_run(self.runs[k])
+        except BaseException as e:
+            if helper:  # the caller learns of it after wait(); its own exception it raises itself
+                self.error = e
+                self.abandon()
+            raise
         finally:
             with self._done:
                 self._left -= settled
@@ -423,6 +430,8 @@ def copy_into(buf: HostBuffer, plan: CopyPlan, origin: Origin | None,
             raise
         finally:
             chunks.wait()  # every chunk taken is copied before the buffer is used
+        if chunks.error is not None:
+            raise chunks.error
         helper_cpu = chunks.helper_cpu
     else:
         _copy_run(calls)

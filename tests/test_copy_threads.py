@@ -156,3 +156,28 @@ def test_a_deferred_copy_stays_on_one_thread(tmp_path):
 def test_copy_threads_must_be_a_positive_integer(tmp_path, bad):
     with pytest.raises(ValueError, match=f"copy_threads must be a positive integer or None, got {bad!r}"):
         Checkpointer(str(tmp_path), copy_threads=bad)
+
+
+def test_a_helper_that_fails_fails_the_copy(monkeypatch):
+    """A chunk a helper took and could not copy is not in the buffer: the copy must raise, as it did
+    when each helper's share was a future whose result the caller read."""
+    from ckpt_engine import snapshot
+
+    state = _state()
+    snaps = Snapshots(rank=0, world_size=1, max_inflight=1)
+    lay, plan = snaps.plan(encode(state), encode(None, "local", sharded=False))
+    buf = HostBuffer(plan.nbytes, pinned=False)
+    real = snapshot._copy_run
+    helper_started = threading.Event()
+
+    def failing(run):
+        if threading.current_thread() is not threading.main_thread():
+            helper_started.set()
+            raise MemoryError("injected")
+        helper_started.wait(10)  # the caller lets the helper take a chunk first
+        real(run)
+
+    monkeypatch.setattr(snapshot, "_copy_run", failing)
+    with ThreadPoolExecutor(1) as helpers:
+        with pytest.raises(MemoryError, match="injected"):
+            copy_into(buf, plan, None, helpers, threads=2)
