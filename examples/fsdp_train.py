@@ -137,7 +137,6 @@ def main(argv: list[str] | None = None) -> int:
                 ck.save(sharded_state(), step, local={"rng": rng_state(), "data": sampler.data_position()})
             if step == args.kill_at_step and resumed_from is None:  # a fresh run only: no crash loop
                 ck.wait()  # the crash comes after every checkpoint taken so far committed
-                if rank == 0: __import__("time").sleep(1.5)
                 log(f"simulated crash: SIGKILL right after step {step}")
                 # torchrun stops the other ranks as soon as one dies: without this, a rank whose wait()
                 # returned first killed rank 0 (SIGTERM) before it said so (seen once under load)
