@@ -60,11 +60,14 @@ def _state():
             "c": torch.randn(1_234_567, generator=g).to(torch.bfloat16), "d": torch.zeros(0), "e": 3}
 
 
-def test_several_threads_make_the_same_buffer_as_one(tmp_path):
-    state = _state()
+def _planned():
+    """The layout and copy plan of ``_state()`` on one rank."""
     snaps = Snapshots(rank=0, world_size=1, max_inflight=1)
-    enc, lenc = encode(state), encode(None, "local", sharded=False)
-    lay, plan = snaps.plan(enc, lenc)
+    return snaps.plan(encode(_state()), encode(None, "local", sharded=False))
+
+
+def test_several_threads_make_the_same_buffer_as_one(tmp_path):
+    lay, plan = _planned()
     assert plan.host_bytes >= SPLIT_MIN
     one, many = HostBuffer(plan.nbytes, pinned=False), HostBuffer(plan.nbytes, pinned=False)
     copy_into(one, plan, None)
@@ -78,9 +81,7 @@ def test_a_busy_helper_does_not_hold_the_copy_up():
     """Each thread used to copy a fixed share, so the caller (training) waited for a helper thread
     however late it started; now the caller takes the chunks nobody has taken, and a helper that
     comes later finds none left and writes nothing into the buffer."""
-    state = _state()
-    snaps = Snapshots(rank=0, world_size=1, max_inflight=1)
-    lay, plan = snaps.plan(encode(state), encode(None, "local", sharded=False))
+    lay, plan = _planned()
     one, many = HostBuffer(plan.nbytes, pinned=False), HostBuffer(plan.nbytes, pinned=False)
     copy_into(one, plan, None)
     release = threading.Event()
@@ -105,9 +106,7 @@ def test_an_interrupted_copy_stops_its_helpers_before_the_buffer_is_reused(monke
     into the buffer after ``copy_into`` has raised: chunks not yet taken are given up."""
     from ckpt_engine import snapshot
 
-    state = _state()
-    snaps = Snapshots(rank=0, world_size=1, max_inflight=1)
-    lay, plan = snaps.plan(encode(state), encode(None, "local", sharded=False))
+    lay, plan = _planned()
     buf = HostBuffer(plan.nbytes, pinned=False)
     real, calls = snapshot._copy_run, []
 
@@ -163,9 +162,7 @@ def test_a_helper_that_fails_fails_the_copy(monkeypatch):
     when each helper's share was a future whose result the caller read."""
     from ckpt_engine import snapshot
 
-    state = _state()
-    snaps = Snapshots(rank=0, world_size=1, max_inflight=1)
-    lay, plan = snaps.plan(encode(state), encode(None, "local", sharded=False))
+    lay, plan = _planned()
     buf = HostBuffer(plan.nbytes, pinned=False)
     real = snapshot._copy_run
     helper_started = threading.Event()
