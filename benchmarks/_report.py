@@ -37,10 +37,11 @@ NOTES = (
     "- Restores return new tensors, so they pay first-touch page faults; the limit is a raw read into a freshly "
     "allocated buffer. Cold: every file of the contender `fsync`ed and dropped from the page cache "
     "(`posix_fadvise(DONTNEED)`) before each load; warm: read through once before. Best of the peer rounds. "
-    "The restore target: per round, one `load()` and one raw read into fresh memory right after each "
-    "other (alternating order; the raw read on the rank's cores, into 4 KiB or huge pages, whichever read "
-    "faster before the rounds), "
-    "the median over the rounds of raw time ÷ ours (slowest rank). The persist target is paired the same way: "
+    "The restore target: per round, one `load()`, one raw read into fresh memory and the same read hashed "
+    "with xxh3 a MiB at a time as `load()` verifies, right after each other (the order rotating; the raw reads "
+    "on the rank's cores, into 4 KiB or huge pages, whichever read faster before the rounds), "
+    "the median over the rounds of raw time ÷ ours (slowest rank); raw ÷ verified raw is the most a restore "
+    "that checks every byte can reach. The persist target is paired the same way: "
     "per round, the faster raw write + fsync ÷ our time after the stall (saves 2..N, slowest rank's figures).",
     f"- Memory: peak RSS growth (VmHWM after `malloc_trim` and a reset); {MEM_SLACK_MIB} MiB allowed for "
     "interpreter and metadata noise.",
@@ -153,6 +154,10 @@ def paired_stall(w: str, agg: Agg) -> list[Row]:
             rows.append(_row(w, f"of which against the {side} alone ({n} save{'s' if n != 1 else ''})", "×",
                              paired[f"stall_vs_copy_median_{key}"], ("same bytes, same moment", 1.0), {}, True,
                              "info", None))
+    if "snapshot_vs_copy_median" in paired:
+        rows.append(_row(w, "of which the copy alone (the snapshot inside `save()`: no encoding, planning or "
+                            "hand-over) ÷ the same mean", "×", paired["snapshot_vs_copy_median"],
+                         ("same bytes, same moment", 1.0), {}, True, "info", None))
     return rows
 
 
@@ -202,6 +207,7 @@ def restore_rows(w: str, agg: Agg, total: int) -> list[Row]:
                 _row(w, f"restore ÷ raw read into fresh memory just before or after it, {cache} (median of rounds)",
                      "×", 1 / paired, ("same bytes, same moment", 1.0), {}, False, "≥ 0.90 × limit",
                      lambda o, lim: o >= 0.90 * lim)]),
+            *verified_rows(w, agg.get("paired", {}), cache),
             _row(w, f"restore throughput ÷ torch.load, {cache}", "GB/s", gbps(total, ours[key]),
                  (f"torch.load ({cache})", gbps(total, agg["torch_save"][key])), peers,
                  False, "≥ 1.00 × torch.load", lambda o, lim: o >= lim),
@@ -218,6 +224,18 @@ def restore_rows(w: str, agg: Agg, total: int) -> list[Row]:
                          ("every rank reads everything", gbps(total, ours["restore_read_s"])),
                          {f"auto (chose {chose})": gbps(total, ours["restore_auto_s"])}, False, "info", None))
     return rows
+
+
+def verified_rows(w: str, paired: dict[str, float], cache: str) -> list[Row]:
+    """Informative: what checking every byte costs a raw read here (the raw read hashed as
+    ``load()`` hashes, the cap of the restore target), and our restore against that read."""
+    cap, ours = paired.get(f"verified_vs_raw_{cache}_median"), paired.get(f"restore_vs_verified_{cache}_median")
+    if cap is None or ours is None:
+        return []
+    return [_row(w, f"raw read + xxh3 of every MiB ÷ raw read, {cache}: the most a verified restore reaches "
+                 "(median of rounds)", "×", 1 / cap, ("same bytes, same moment", 1.0), {}, False, "info", None),
+            _row(w, f"restore ÷ raw read + xxh3 of every MiB, {cache} (median of rounds)", "×", 1 / ours,
+                 ("same bytes, same moment", 1.0), {}, False, "info", None)]
 
 
 def fastest_copy(agg: Agg) -> float:

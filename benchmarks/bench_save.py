@@ -160,13 +160,14 @@ FRESH_MEMORY = (_plain_pages, _huge_pages)
 
 
 def read_fresh(ctx: RankCtx, paths: list[str], nbytes: int, cold: bool,
-               allocate: Callable[[int], torch.Tensor]) -> float:
+               allocate: Callable[[int], torch.Tensor], verify_step: int | None = None) -> float:
     """Seconds of one raw read of ``paths`` on the rank's cores (``torch.get_num_threads()`` threads)
     into ``allocate(nbytes)``, fresh memory (its allocation timed, as a restore's own is), the files
-    first out of the page cache (``cold``) or in it."""
+    first out of the page cache (``cold``) or in it; with ``verify_step``, each request of that many
+    bytes hashed after it lands (``read_into``: the floor of a verified read)."""
     ctx.before_load()
     set_page_cache(ctx, paths, cold)
-    return timed(lambda: read_into(paths, byte_view(allocate(nbytes)), torch.get_num_threads()))[0]
+    return timed(lambda: read_into(paths, byte_view(allocate(nbytes)), torch.get_num_threads(), verify_step))[0]
 
 
 def bench_raw_read(ctx: RankCtx) -> Metrics:
@@ -263,13 +264,18 @@ def bench_ours(ctx: RankCtx) -> dict[str, Metrics]:
 def paired_stalls(saves: list[Metrics]) -> Metrics:
     """Each save's stall ÷ the mean of the copy limits timed right before and right after it, over
     saves 2..N (all of them when there is one): the median (the target), and, informative, the
-    medians against the copy before and the copy after alone. Pure."""
+    medians against the copy before and the copy after alone, and of the copy inside the save
+    alone (``snapshot_s``, without encoding, planning and hand-over) against the mean. Pure."""
     steady = saves[1:] or saves
 
-    def median_vs(limit: Callable[[Metrics], float]) -> float:
-        return statistics.median(s["stall_s"] / limit(s) for s in steady)
+    def median_vs(limit: Callable[[Metrics], float], key: str = "stall_s") -> float:
+        return statistics.median(s[key] / limit(s) for s in steady)
 
-    return {"stall_vs_copy_median": median_vs(lambda s: (s["copy_before_s"] + s["copy_after_s"]) / 2),
+    def mean(s: Metrics) -> float:
+        return (s["copy_before_s"] + s["copy_after_s"]) / 2
+
+    return {"stall_vs_copy_median": median_vs(mean),
+            "snapshot_vs_copy_median": median_vs(mean, "snapshot_s"),
             "stall_vs_copy_median_before": median_vs(lambda s: s["copy_before_s"]),
             "stall_vs_copy_median_after": median_vs(lambda s: s["copy_after_s"]),
             "pairs": float(len(steady))}
@@ -306,19 +312,25 @@ def faster_memory(ctx: RankCtx, paths: list[str], nbytes: int, reads: int = 5) -
 
 def paired_restores(ctx: RankCtx, load: Callable[[], Any]) -> Metrics:
     """The restore target, robust to this machine's drift: ``ctx.reps`` rounds, each timing our
-    ``load()`` and a raw read of every rank's raw file (the same bytes) on the rank's cores
-    (``read_fresh``) into freshly allocated memory, of the kind (``FRESH_MEMORY``: 4 KiB or huge
-    pages) that read faster before the rounds (``restore_raw_huge_pages``: 1 for huge pages),
-    right after each other in alternating order, one of each per round, cold
-    (``restore_vs_raw_cold_median``) and warm (``..._warm_median``): the median of the rounds' time
-    ratios, ours ÷ raw. Also each round's times (``restore_<cache>_<round>_{ours,raw}_s``) and the
-    median of our load's minor page faults (``restore_<cache>_minor_faults_median``; 262144 would be
-    1 GiB of fresh 4 KiB pages: fewer means the allocator handed back memory it had kept).
+    ``load()``, a raw read of every rank's raw file (the same bytes) on the rank's cores
+    (``read_fresh``) and the same read verified as ``load()`` verifies (each 1 MiB request hashed
+    with xxh3 after it lands: ``LocalReader.verify_step``), into freshly allocated memory of the
+    kind (``FRESH_MEMORY``: 4 KiB or huge pages) that read faster before the rounds
+    (``restore_raw_huge_pages``: 1 for huge pages), right after each other in an order that
+    rotates from round to round, cold and warm. Per cache: the median of the rounds' time ratios
+    ours ÷ raw (``restore_vs_raw_<cache>_median``, the target), ours ÷ verified raw
+    (``..._vs_verified_...``) and verified ÷ raw (``verified_vs_raw_<cache>_median``: the most a
+    read that checks every byte gets of the raw read here, the cap of the target); each round's
+    times (``restore_<cache>_<round>_{ours,raw,verified}_s``) and the median of our load's minor
+    page faults (``restore_<cache>_minor_faults_median``; 262144 would be 1 GiB of fresh 4 KiB
+    pages: fewer means the allocator handed back memory it had kept).
 
     A cold read on this VM takes 0.5 to 3.4 s/GiB from one moment to the next, so two best-of
     figures taken minutes apart (``load_s`` against ``raw_read.load_fresh_s``) say more about
     which of them was lucky than about the engine.
     """
+    from ckpt_engine.storage.local import LocalReader
+
     raw = [ctx.path(f"raw-{r}.bin") for r in range(ctx.world)]
     nbytes = sum(os.path.getsize(p) for p in raw)
     minflt: dict[bool, list[int]] = {True: [], False: []}  # our load's minor page faults, by ``cold``
@@ -337,20 +349,23 @@ def paired_restores(ctx: RankCtx, load: Callable[[], Any]) -> Metrics:
     # against a single load: a stall of the raw read counted only where it hit both of its reads (even
     # so, warm raw reads 2-5 times slower than usual in 2 of 10 rounds per run; ours in 2-6 of 10).
     kind = faster_memory(ctx, raw, nbytes)
-
-    def limit(cold: bool) -> float:
-        return read_fresh(ctx, raw, nbytes, cold, kind)
-
+    contenders: dict[str, Callable[[bool], float]] = {
+        "raw": lambda cold: read_fresh(ctx, raw, nbytes, cold, kind),
+        "ours": ours,
+        "verified": lambda cold: read_fresh(ctx, raw, nbytes, cold, kind, LocalReader.verify_step),
+    }
+    names = list(contenders)
     out: Metrics = {"restore_raw_huge_pages": float(kind is _huge_pages)}
     for cache, cold in (("cold", True), ("warm", False)):
-        ratios = []
+        rounds: list[dict[str, float]] = []
         for i in range(ctx.reps):
-            first, second = (ours, limit) if i % 2 else (limit, ours)
-            a, b = first(cold), second(cold)
-            o, r = (a, b) if i % 2 else (b, a)
-            ratios.append(o / r)
-            out.update({f"restore_{cache}_{i + 1}_ours_s": o, f"restore_{cache}_{i + 1}_raw_s": r})
-        out[f"restore_vs_raw_{cache}_median"] = statistics.median(ratios)
+            turn = names[i % 3:] + names[:i % 3]  # each contender first, second and third in turn
+            rounds.append({name: contenders[name](cold) for name in turn})
+            out.update({f"restore_{cache}_{i + 1}_{name}_s": t for name, t in rounds[-1].items()})
+        for key, (num, den) in {f"restore_vs_raw_{cache}_median": ("ours", "raw"),
+                                f"restore_vs_verified_{cache}_median": ("ours", "verified"),
+                                f"verified_vs_raw_{cache}_median": ("verified", "raw")}.items():
+            out[key] = statistics.median(r[num] / r[den] for r in rounds)
         out[f"restore_{cache}_minor_faults_median"] = statistics.median(minflt[cold])
     return out
 

@@ -143,17 +143,20 @@ def test_the_stall_target_brackets_each_save_with_the_copy_on_both_sides(save_ro
     from bench_save import paired_stalls
 
     def save(stall, before, after):
-        return {"stall_s": stall, "copy_before_s": before, "copy_after_s": after}
+        return {"stall_s": stall, "copy_before_s": before, "copy_after_s": after, "snapshot_s": stall - 0.1}
 
     saves = [save(9.0, 1.0, 1.0), save(1.2, 1.0, 1.4), save(1.0, 1.0, 1.0), save(1.1, 1.2, 0.8), save(1.3, 1.0, 1.0)]
     paired = paired_stalls(saves)  # steady: 1.2/1.2 = 1.0, 1.0, 1.1/1.0 = 1.1, 1.3
     assert paired["stall_vs_copy_median"] == pytest.approx(1.05) and paired["pairs"] == 4
     assert paired["stall_vs_copy_median_before"] == pytest.approx(statistics.median([1.2, 1.0, 1.1 / 1.2, 1.3]))
     assert paired["stall_vs_copy_median_after"] == pytest.approx(statistics.median([1.2 / 1.4, 1.0, 1.1 / 0.8, 1.3]))
-    main, before, after = save_rows.paired_stall("1", {"paired": paired})
+    # the copy inside the save alone, against the same mean: 1.1/1.2, 0.9, 1.0, 1.2
+    assert paired["snapshot_vs_copy_median"] == pytest.approx(statistics.median([1.1 / 1.2, 0.9, 1.0, 1.2]))
+    main, before, after, copy = save_rows.paired_stall("1", {"paired": paired})
     assert "both sides" in main.metric and main.passed is True and main.target == "≤ 1.10 × limit"
     assert main.ours == pytest.approx(1.05)
     assert before.passed is None and after.passed is None and "(4 saves)" in before.metric
+    assert copy.passed is None and "copy alone" in copy.metric and copy.ours == pytest.approx((1.1 / 1.2 + 1.0) / 2)
     assert "right before" in before.metric and "right after" in after.metric
     saves[4] = save(1.5, 1.0, 1.0)
     saves.append(save(1.4, 1.0, 1.0))  # steady: 1.0, 1.0, 1.1, 1.5, 1.4
@@ -267,7 +270,10 @@ def test_pooling_runs_takes_every_pair_of_every_run_as_the_slowest_rank_s_times(
         writes = {f"rep{i}_s": w for i, w in enumerate(raws, 1)}
         paired = {}
         for i, (o, r) in enumerate(cold, 1):
-            paired.update({f"restore_cold_{i}_ours_s": o, f"restore_cold_{i}_raw_s": r})
+            paired.update({f"restore_cold_{i}_ours_s": o, f"restore_cold_{i}_raw_s": r,
+                           f"restore_cold_{i}_verified_s": r * 1.25})
+        for i, s in enumerate(stalls, 1):
+            ours[f"rep{i}_snapshot_s"] = s - 0.1
         return {"ours": ours, "raw_write": writes, "raw_write_direct": {k: v * 2 for k, v in writes.items()},
                 "paired": paired}
 
@@ -279,6 +285,9 @@ def test_pooling_runs_takes_every_pair_of_every_run_as_the_slowest_rank_s_times(
     assert pairs["stall"] == pytest.approx([1.4 / 1.2, 1.1 / 1.0])  # saves 2..N
     assert pairs["persist"] == pytest.approx([1.9 / 2.0, 2.0 / 2.5])  # the faster raw write (buffered here)
     assert pairs["restore_cold"] == pytest.approx([1.0, 0.5])
+    assert pairs["snapshot"] == pytest.approx([1.3 / 1.2, 1.0 / 1.0])  # the copy inside the save alone
+    assert pairs["restore_cold_cap"] == pytest.approx([0.8, 0.8])  # raw ÷ the same read verified
+    assert pairs["restore_cold_verified"] == pytest.approx([1.25, 0.625])  # verified ÷ ours
     run2 = {"worlds": {"2": {"ranks": [rank([9, 1.0, 1.0], [1, 1, 1], [1, 1, 1], [9, 2, 2], [1, 2, 2],
                                             [(1.0, 1.0)])]}, "1": {"ranks": []}}}
     pooled = {p.target: p for p in pool_runs.pool([run1, run2])}  # only world 2 is in both
@@ -290,8 +299,10 @@ def test_pooling_runs_takes_every_pair_of_every_run_as_the_slowest_rank_s_times(
     assert pool_runs.pool([run1, run2]) == pool_runs.pool([run1, run2])  # the same input, the same intervals
     assert pooled["persist"].median == pytest.approx(0.975) and pooled["persist"].met
     assert pooled["restore_cold"].pairs == 3 and pooled["restore_cold"].median == pytest.approx(1.0)
+    assert pooled["restore_cold_cap"].met is None and pooled["snapshot"].met is None  # informative
     table = pool_runs.markdown(list(pooled.values()), ["A", "B"])
     assert table.count("\n") == 2 + len(pooled) and "| A | B |" in table
+    assert "| - | - |" in table and "| ≥ 0.90 | yes |" in table
 
 
 def test_pooling_reads_runs_that_timed_the_copy_on_one_side_of_each_save(monkeypatch):
@@ -344,20 +355,28 @@ def test_each_restore_round_times_one_raw_read_into_the_faster_memory_chosen_onc
     speed = {bench_save._plain_pages: 2.0, bench_save._huge_pages: 1.0}  # huge pages read faster here
     reads: list[tuple[bool, object]] = []
 
-    def read_fresh(ctx, paths, nbytes, cold, allocate):
-        reads.append((cold, allocate))
-        return speed[allocate]
+    def read_fresh(ctx, paths, nbytes, cold, allocate, verify_step=None):
+        reads.append((cold, allocate, verify_step))
+        return speed[allocate] * (1.0 if verify_step is None else 1.125)  # checking every byte costs 1/8 here
 
     monkeypatch.setattr(bench_save, "read_fresh", read_fresh)
     monkeypatch.setattr(bench_save, "set_page_cache", lambda *a, **k: None)
     monkeypatch.setattr(bench_save, "timed", lambda fn: (1.25, fn()))
     out = bench_save.paired_restores(ctx, lambda: None)
     chosen = reads[10:]  # after 5 warm reads of each kind, alternated
-    assert [(cold, a is bench_save._huge_pages) for cold, a in reads[:10]] == [(False, False), (False, True)] * 5
-    assert [cold for cold, _ in chosen] == [True] * 4 + [False] * 4  # one raw read per round
-    assert all(a is bench_save._huge_pages for _, a in chosen)
+    assert [(cold, a is bench_save._huge_pages, v) for cold, a, v in reads[:10]] == \
+        [(False, False, None), (False, True, None)] * 5
+    # per round one raw read and one verified the way load() verifies (1 MiB requests), in rotating order
+    rounds = [chosen[i:i + 2] for i in range(0, len(chosen), 2)]
+    assert [sorted(v or 0 for _, _, v in r) for r in rounds] == [[0, 1 << 20]] * 8
+    assert [{cold for cold, _, _ in r} for r in rounds] == [{True}] * 4 + [{False}] * 4
+    assert [r[0][2] for r in rounds[:3]] == [None, 1 << 20, 1 << 20]  # raw, ours, verified; ours, verified, raw; ...
+    assert all(a is bench_save._huge_pages for _, a, _ in chosen)
     assert out["restore_raw_huge_pages"] == 1.0
     assert out["restore_vs_raw_cold_median"] == out["restore_vs_raw_warm_median"] == 1.25
+    assert out["restore_vs_verified_warm_median"] == pytest.approx(1.25 / 1.125)
+    assert out["verified_vs_raw_cold_median"] == pytest.approx(1.125)
+    assert {out[f"restore_warm_{i}_verified_s"] for i in range(1, 5)} == {1.125}
 
 
 def test_every_rank_reads_into_the_kind_of_memory_faster_summed_over_the_ranks(monkeypatch, tmp_path):
@@ -380,3 +399,23 @@ def test_every_rank_reads_into_the_kind_of_memory_faster_summed_over_the_ranks(m
     ctx = bench_save.RankCtx(0, 2, {}, str(tmp_path), reps=1, peer_reps=1)
     assert bench_save.faster_memory(ctx, [], 0) is bench_save._plain_pages  # 1.0 s against 1.2 s
     assert summed == {"plain": 1.0, "huge": 1.2}
+
+
+def test_the_verified_raw_read_reads_the_same_bytes_in_steps_on_every_thread(monkeypatch, tmp_path):
+    """The cap of the restore target is a raw read that hashes every request as ``load()`` does:
+    it must read every byte into its place, whatever the steps and the threads' shares."""
+    monkeypatch.syspath_prepend(os.path.join(HERE, "..", "benchmarks"))
+    from _common import read_into
+
+    data = [os.urandom(n) for n in (3 * 4096 + 17, 1, 5 * 4096)]
+    paths = []
+    for i, blob in enumerate(data):
+        paths.append(str(tmp_path / f"raw-{i}.bin"))
+        with open(paths[-1], "wb") as f:
+            f.write(blob)
+    whole = b"".join(data)
+    for threads in (1, 2, 3):
+        for step in (None, 4096, 1000):
+            dest = bytearray(len(whole))
+            assert read_into(paths, memoryview(dest), threads, step) == len(whole)
+            assert bytes(dest) == whole, (threads, step)
