@@ -7,7 +7,8 @@ measured in ``benchmarks/bench_save.py``). Each piece is read straight into the 
 (``preadv`` on local files) when its elements are one run there, then hashed in place; otherwise
 (a chunk of another sharding, a CUDA target) into a temporary of the piece's size, hashed, and
 copied box by box into every target it meets (:class:`Places`). Files are read in parallel
-threads (both ``preadv`` and xxhash release the GIL).
+threads (both ``preadv`` and xxhash release the GIL), each with a share of the bytes, and then
+the others' until nothing is left (read_shares.py).
 
 What is read is a list of :class:`Target`: the whole of every tensor (``load()``), or the
 regions of the tensors of a state given with ``load(into=...)`` (restore_into.py): then only the
@@ -16,7 +17,6 @@ pieces that meet a target are read, each verified whole.
 
 from __future__ import annotations
 
-import itertools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,6 +27,7 @@ import xxhash
 
 from . import hugepages
 from .format.catalog import parse_dir
+from .read_shares import Shares
 from .errors import CorruptionError, FormatError, StorageError
 from .format.manifest import (MANIFEST_NAME, MAX_INDEX_BYTES, MAX_MANIFEST_BYTES, IndexEntry, Manifest, RankIndex,
                        TensorEntry, check_coverage, data_file, extents, index_file)
@@ -274,19 +275,6 @@ def _extents_by_rank(ck: Opened) -> dict[int, dict[IndexEntry, int]]:
     return {idx.rank: dict(zip(idx.entries, extents(idx.entries, idx.data_bytes))) for idx in ck.indexes}
 
 
-def _runs(pieces: Sequence[IndexEntry], ends: Mapping[IndexEntry, int], run_max: int) -> list[list[IndexEntry]]:
-    """``pieces`` of one file (by offset) cut into reads: pieces that follow each other in the file
-    (with their padding) together, while a run spans at most ``run_max`` bytes (the reader's
-    :attr:`~ckpt_engine.storage.Reader.run_max`); a larger piece is a run of its own."""
-    runs: list[list[IndexEntry]] = []
-    for e in pieces:
-        if runs and ends[runs[-1][-1]] == e.offset and ends[e] - runs[-1][0].offset <= run_max:
-            runs[-1].append(e)
-        else:
-            runs.append([e])
-    return runs
-
-
 def split_by_bytes(sizes: Sequence[int], parts: int) -> list[int]:
     """The part (``0 <= p < parts``) of each item, in order: consecutive runs of about equal bytes.
 
@@ -327,9 +315,10 @@ def read_entries(storage: Storage, ck: Opened, jobs: Sequence[tuple[int, IndexEn
                   names: Sequence[str] | Mapping[int, str], threads: int, progress: Progress | None = None,
                   ends: dict[int, dict[IndexEntry, int]] | None = None,
                   keep: dict[tuple[int, IndexEntry], torch.Tensor] | None = None) -> None:
-    """Read and verify every entry (and its padding), in up to ``threads`` groups of about equal
-    bytes, into its place (``places``); ``keep`` receives the verified temporary of each piece
-    that was not read in place (restore_exchange.py sends it on)."""
+    """Read and verify every entry (and its padding) on up to ``threads`` threads, each starting
+    with a share of about equal bytes and going on with the others' (read_shares.py), into its
+    place (``places``); ``keep`` receives the verified temporary of each piece that was not read in
+    place (restore_exchange.py sends it on)."""
     dirname = ck.dirname
     ends = _extents_by_rank(ck) if ends is None else ends
     ordered = sorted(jobs, key=lambda j: (j[0], j[1].offset))
@@ -337,12 +326,27 @@ def read_entries(storage: Storage, ck: Opened, jobs: Sequence[tuple[int, IndexEn
     groups: list[list[tuple[int, IndexEntry]]] = [[] for _ in range(workers)]
     for job, group in zip(ordered, split_by_bytes([e.nbytes for _, e in ordered], workers)):
         groups[group].append(job)
+    groups = [g for g in groups if g]
+    shares = Shares(groups, ends)
 
-    def read_group(group: list[tuple[int, IndexEntry]]) -> None:
-        for rank, jobs in itertools.groupby(group, key=lambda j: j[0]):  # sorted by file, then offset
-            with storage.reader(f"{dirname}/{data_file(rank)}") as reader:
-                for run in _runs([e for _, e in jobs], ends[rank], reader.run_max):
-                    read_run(rank, reader, run)
+    def read_share(mine: int) -> None:
+        """Runs of share ``mine``, then of the others, each file opened once by this thread."""
+        readers: dict[int, Reader] = {}
+        try:
+            first = groups[mine][0][0]  # its reader's run_max cuts every run this thread claims
+            readers[first] = storage.reader(f"{dirname}/{data_file(first)}")
+            run_max = readers[first].run_max
+            while (claimed := shares.claim(mine, run_max)) is not None:
+                rank, run = claimed
+                if rank not in readers:
+                    readers[rank] = storage.reader(f"{dirname}/{data_file(rank)}")
+                read_run(rank, readers[rank], run)
+        except BaseException:
+            shares.stop()  # the others finish the run they read, and claim no other
+            raise
+        finally:
+            for reader in readers.values():
+                reader.close()
 
     def read_run(rank: int, reader: Reader, run: list[IndexEntry]) -> None:
         """``run`` (each piece into its place, its padding aside) in requests of the reader's
@@ -372,11 +376,10 @@ def read_entries(storage: Storage, ck: Opened, jobs: Sequence[tuple[int, IndexEn
             if progress is not None:
                 progress(e.nbytes)
 
-    groups = [g for g in groups if g]
     if len(groups) <= 1:
-        for g in groups:
-            read_group(g)
+        for k in range(len(groups)):
+            read_share(k)
         return
     with ThreadPoolExecutor(len(groups), thread_name_prefix="ckpt-read") as pool:
-        for f in [pool.submit(read_group, g) for g in groups]:
+        for f in [pool.submit(read_share, k) for k in range(len(groups))]:
             f.result()

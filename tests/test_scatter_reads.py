@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpt_engine import Checkpointer, CorruptionError, StorageError
-from ckpt_engine.restore import _runs, steps
+from ckpt_engine.read_shares import Shares
+from ckpt_engine.restore import steps
 from ckpt_engine.format.manifest import IndexEntry
 from ckpt_engine.storage import Storage
 from ckpt_engine.storage import local as local_storage
@@ -67,12 +68,15 @@ def test_runs_join_neighbours_up_to_the_readers_span():
     small = [e(i * 4096, 1000) for i in range(5)]
     big = e(5 * 4096, 1 << 20)
     gap = e(end(big) + 4096, 1000)  # not where the previous one ends: a new run
+    def runs(pieces: list[IndexEntry], run_max: int) -> list[list[IndexEntry]]:  # one thread's share, in order
+        shares = Shares([[(0, x) for x in pieces]], {0: {x: end(x) for x in pieces}})
+        return [run for _, run in iter(lambda: shares.claim(0, run_max), None)]
+
     pieces = [*small, big, gap]
-    ends = {x: end(x) for x in pieces}
-    assert _runs(pieces, ends, 64 << 20) == [[*small, big], [gap]]
-    assert _runs(pieces, ends, 5 * 4096) == [small, [big], [gap]]  # a piece over the span is a run of its own
+    assert runs(pieces, 64 << 20) == [[*small, big], [gap]]
+    assert runs(pieces, 5 * 4096) == [small, [big], [gap]]  # a piece over the span is a run of its own
     many = [e(i * 4096, 1000) for i in range(30)]
-    assert [len(r) for r in _runs(many, {x: end(x) for x in many}, 8 * 4096)] == [8, 8, 8, 6]
+    assert [len(r) for r in runs(many, 8 * 4096)] == [8, 8, 8, 6]
 
 
 def test_a_restore_of_many_small_tensors_makes_few_requests(monkeypatch):
