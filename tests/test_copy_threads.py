@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from ckpt_engine import Checkpointer
-from ckpt_engine.snapshot import SPLIT_MIN, HostBuffer, Snapshots, copy_into, moves, split
+from ckpt_engine.snapshot import SPLIT_MIN, CopyCalls, HostBuffer, Snapshots, copy_into, moves, plan_copy, split
 from ckpt_engine.values import encode
 
 
@@ -178,3 +178,51 @@ def test_a_helper_that_fails_fails_the_copy(monkeypatch):
     with ThreadPoolExecutor(1) as helpers:
         with pytest.raises(MemoryError, match="injected"):
             copy_into(buf, plan, None, helpers, threads=2)
+
+
+def test_the_last_copy_s_calls_are_reused_only_while_the_layout_buffer_chunks_and_addresses_hold():
+    """``CopyCalls``: a training loop saves the same tensors, updated in place, every time; the calls
+    are made once and reused, and made again when any input of them changed."""
+    state = {"a": torch.randn(1 << 20), "b": torch.randn(300), "c": torch.randn(5000)}
+    snaps = Snapshots(rank=0, world_size=1, max_inflight=1)
+    local = encode(None, "local", sharded=False)
+    _, plan = snaps.plan(encode(state), local)
+    buf, other = HostBuffer(plan.nbytes, pinned=False), HostBuffer(plan.nbytes, pinned=False)
+    reuse = CopyCalls()
+    calls, runs, _ = reuse.of(buf, plan, 2)
+    assert calls == moves(buf, plan.host)[0] and runs == split(calls, 2)
+    state["a"].add_(1)  # updated in place: the same addresses
+    _, again = snaps.plan(encode(state), local)
+    assert reuse.of(buf, again, 2)[0] is calls  # reused
+    assert reuse.of(other, again, 2)[0] == moves(other, again.host)[0] != calls  # another buffer
+    assert reuse.of(buf, again, 3)[1] == split(calls, 3)  # other chunks
+    state["b"] = torch.randn(300)  # a new tensor where the old one was: another address
+    _, moved = snaps.plan(encode(state), local)
+    fresh = reuse.of(buf, moved, 3)[0]
+    assert fresh == moves(buf, moved.host)[0] and fresh != calls
+    state["c"] = torch.randn(50, 100).t()  # not contiguous: a temporary per copy, never reused
+    _, strided = snaps.plan(encode(state), local)
+    first, _, held = reuse.of(buf, strided, 0)
+    second, _, held_again = reuse.of(buf, strided, 0)
+    assert first is not second and any(not any(h is t for t in state.values()) for h in held)
+    assert first[-1][1] == held[-1].data_ptr() and second[-1][1] == held_again[-1].data_ptr()
+    state["c"] = torch.randn(5000)
+    enc = encode(state)
+    lay, _ = snaps.plan(enc, local)
+    unnamed = plan_copy(lay.pieces, lay.nbytes, enc.tensors, [], lay.spans)  # no layout given: nothing reused
+    assert reuse.of(buf, unnamed, 0)[0] is not reuse.of(buf, unnamed, 0)[0] == moves(buf, unnamed.host)[0]
+
+
+def test_a_tensor_replaced_between_saves_is_saved_with_its_new_bytes(tmp_path):
+    """Reused calls must never copy from where a tensor was: a parameter replaced by a new tensor of the
+    same shape (``module.weight = Parameter(...)``, a reloaded optimizer state) is saved from its new memory."""
+    state = {"w": torch.randn(3_000_000), "b": torch.randn(1000), "step": 1}
+    with Checkpointer(str(tmp_path / "ck"), copy_threads=2, keep_last=3) as ck:
+        ck.save(state, 1)
+        state["w"].mul_(2)  # in place
+        ck.save(state, 2)
+        state["w"], state["b"] = torch.randn(3_000_000), torch.randn(1000)  # replaced
+        ck.save(state, 3)
+        ck.wait()
+        assert torch.equal(ck.load(3)["w"], state["w"]) and torch.equal(ck.load(3)["b"], state["b"])
+        assert not torch.equal(ck.load(2)["w"], state["w"])
