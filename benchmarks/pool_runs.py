@@ -108,14 +108,12 @@ def rank_pairs(rank: dict[str, Metrics]) -> dict[str, list[float]]:
     paired = rank.get("paired", {})
     for cache in ("cold", "warm"):
         found = _numbered(paired, lambda i: f"restore_{cache}_{i}_ours_s", 1)
-        if found:
-            out[f"restore_{cache}"] = [paired[f"restore_{cache}_{i}_raw_s"] / paired[f"restore_{cache}_{i}_ours_s"]
-                                       for i in found]
-        if found and all(f"restore_{cache}_{i}_verified_s" in paired for i in found):  # session 19 on
-            verified = [paired[f"restore_{cache}_{i}_verified_s"] for i in found]
-            out[f"restore_{cache}_cap"] = [paired[f"restore_{cache}_{i}_raw_s"] / v for i, v in zip(found, verified)]
-            out[f"restore_{cache}_verified"] = [v / paired[f"restore_{cache}_{i}_ours_s"]
-                                                for i, v in zip(found, verified)]
+        times = {name: [paired.get(f"restore_{cache}_{i}_{name}_s") for i in found]
+                 for name in ("raw", "ours", "verified")}
+        pairs = {"": ("raw", "ours"), "_cap": ("raw", "verified"), "_verified": ("verified", "ours")}
+        for suffix, (num, den) in pairs.items():  # the verified read: session 19 on
+            if found and None not in times[num] + times[den]:
+                out[f"restore_{cache}{suffix}"] = [a / b for a, b in zip(times[num], times[den])]
     return out
 
 

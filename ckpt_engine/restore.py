@@ -289,6 +289,15 @@ def split_by_bytes(sizes: Sequence[int], parts: int) -> list[int]:
     return out
 
 
+def shares_of(jobs: Sequence[tuple[int, IndexEntry]], parts: int) -> list[list[tuple[int, IndexEntry]]]:
+    """``jobs`` (in read order) cut into at most ``parts`` non-empty shares of consecutive jobs of
+    about equal bytes (:func:`split_by_bytes`): each reader thread's own share. Pure."""
+    groups: list[list[tuple[int, IndexEntry]]] = [[] for _ in range(parts)]
+    for job, group in zip(jobs, split_by_bytes([e.nbytes for _, e in jobs], parts)):
+        groups[group].append(job)
+    return [g for g in groups if g]
+
+
 def steps(sizes: Sequence[int], step: int | None) -> list[list[tuple[int, int, int]]]:
     """Consecutive buffers of ``sizes`` bytes cut into requests of at most ``step`` bytes (all
     in one request when ``step`` is ``None``): each request a list of ``(buffer, start, stop)``,
@@ -322,11 +331,7 @@ def read_entries(storage: Storage, ck: Opened, jobs: Sequence[tuple[int, IndexEn
     dirname = ck.dirname
     ends = _extents_by_rank(ck) if ends is None else ends
     ordered = sorted(jobs, key=lambda j: (j[0], j[1].offset))
-    workers = max(1, min(threads, len(ordered), os.cpu_count() or 1))
-    groups: list[list[tuple[int, IndexEntry]]] = [[] for _ in range(workers)]
-    for job, group in zip(ordered, split_by_bytes([e.nbytes for _, e in ordered], workers)):
-        groups[group].append(job)
-    groups = [g for g in groups if g]
+    groups = shares_of(ordered, max(1, min(threads, len(ordered), os.cpu_count() or 1)))
     shares = Shares(groups, ends)
 
     def read_share(mine: int) -> None:

@@ -430,7 +430,8 @@ class CopyCalls:
         self._calls: list[Move] = []
         self._runs: list[list[Move]] = []
 
-    def of(self, buf: HostBuffer, plan: CopyPlan, chunks: int) -> tuple[list[Move], list[list[Move]], list[torch.Tensor]]:
+    def of(self, buf: HostBuffer, plan: CopyPlan,
+           chunks: int) -> tuple[list[Move], list[list[Move]], list[torch.Tensor]]:
         """The calls that copy ``plan``'s CPU spans into ``buf``, those calls cut into ``chunks``
         runs of consecutive bytes (:func:`split`; none when ``chunks`` is 0), and the tensors they
         read from (held by the caller until the calls are done)."""
@@ -442,7 +443,8 @@ class CopyCalls:
                 return self._calls, self._runs, sources
         calls, held = moves(buf, plan.host)
         runs = split(calls, chunks) if chunks else []
-        self._layout, self._key, self._calls, self._runs = (plan.layout, key, calls, runs) if key else (None, None, [], [])
+        kept = (plan.layout, key, calls, runs) if key else (None, None, [], [])
+        self._layout, self._key, self._calls, self._runs = kept
         return calls, runs, held
 
 

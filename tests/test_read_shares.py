@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 from ckpt_engine import Checkpointer
 from ckpt_engine.format.manifest import IndexEntry
 from ckpt_engine.read_shares import Shares
-from ckpt_engine.restore import split_by_bytes
+from ckpt_engine.restore import shares_of
 from ckpt_engine.storage.local import LocalReader, LocalStorage
 
 PAGE = 4096
@@ -34,13 +34,6 @@ def _layout(files: list[list[tuple[int, bool]]]) -> tuple[list[tuple[int, IndexE
     return jobs, ends
 
 
-def _shares(jobs: list[tuple[int, IndexEntry]], threads: int) -> list[list[tuple[int, IndexEntry]]]:
-    groups: list[list[tuple[int, IndexEntry]]] = [[] for _ in range(threads)]
-    for job, k in zip(jobs, split_by_bytes([e.nbytes for _, e in jobs], threads)):
-        groups[k].append(job)
-    return [g for g in groups if g]
-
-
 files = st.lists(st.lists(st.tuples(st.integers(1, 6), st.booleans()), min_size=1, max_size=25), min_size=1, max_size=3)
 
 
@@ -48,7 +41,7 @@ files = st.lists(st.lists(st.tuples(st.integers(1, 6), st.booleans()), min_size=
 @given(files, st.integers(1, 4), st.integers(1, 12), st.lists(st.integers(0, 3), max_size=200))
 def test_every_piece_is_claimed_once_in_runs_of_neighbours_within_the_span(files, threads, span_pages, turns):
     jobs, ends = _layout(files)
-    groups = _shares(jobs, threads)
+    groups = shares_of(jobs, threads)
     shares, run_max = Shares(groups, ends), span_pages * PAGE
     claimed: list[tuple[int, int, list[IndexEntry]]] = []  # (thread, rank, run)
     order = [t % len(groups) for t in turns] + [k for k in range(len(groups)) for _ in range(len(jobs) + 1)]
@@ -71,7 +64,7 @@ def test_every_piece_is_claimed_once_in_runs_of_neighbours_within_the_span(files
 
 def test_a_thread_done_with_its_share_takes_the_others_from_their_back():
     jobs, ends = _layout([[(1, False)] * 8])
-    shares = Shares(_shares(jobs, 2), ends)  # 4 pieces each
+    shares = Shares(shares_of(jobs, 2), ends)  # 4 pieces each
     offsets = [e.offset // PAGE for e in [run for _ in range(2) for run in shares.claim(0, PAGE)[1]]]
     assert offsets == [0, 1]  # its own, from the front
     assert [shares.claim(1, PAGE)[1][0].offset // PAGE] == [4]  # the other starts on its own
@@ -82,7 +75,7 @@ def test_a_thread_done_with_its_share_takes_the_others_from_their_back():
 
 def test_after_stop_no_run_is_handed_out():
     jobs, ends = _layout([[(1, False)] * 4])
-    shares = Shares(_shares(jobs, 2), ends)
+    shares = Shares(shares_of(jobs, 2), ends)
     assert shares.claim(0, PAGE) is not None
     shares.stop()
     assert shares.claim(0, PAGE) is None and shares.claim(1, PAGE) is None
