@@ -17,6 +17,7 @@ pieces that meet a target are read, each verified whole.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -120,13 +121,17 @@ class Places:
         self.targets: dict[int, list[Target]] = {}
         for t in targets:
             self.targets.setdefault(t.tensor, []).append(t)
-        # The bytes of each tensor's target where pieces can be read in place (one contiguous CPU
-        # target), and its element size: once per target, not once per piece (the torch calls
-        # were ~5 us a piece, most of what a restore does between its reads).
+        # Tensors a target covers whole (every piece of them is needed), and the bytes of each
+        # tensor's target where pieces can be read in place (one contiguous CPU target) with its
+        # element size: decided once per target, not once per piece. This and ``needed`` run on
+        # the calling thread before the reader threads start, so they add to the restore's wall
+        # time: for the benchmark's 364 tensors and 556 pieces 1.42 + 0.52 ms with a NumPy view
+        # of each target and the boxes compared per piece, 0.87 + 0.07 ms now (medians of 50).
+        self._whole = {i for i, ts in self.targets.items() if any(t.box == full_box(table[i].shape) for t in ts)}
         self._flat: dict[int, tuple[memoryview, int]] = {
-            i: (memoryview(ts[0].out.reshape(-1).view(torch.uint8).numpy()), ts[0].out.element_size())
+            i: (bytes_of(ts[0].out), ts[0].out.element_size())
             for i, ts in self.targets.items()
-            if len(ts) == 1 and ts[0].out.device.type == "cpu" and ts[0].out.is_contiguous()}
+            if len(ts) == 1 and ts[0].out.is_cpu and ts[0].out.is_contiguous()}
 
     def chunk(self, e: IndexEntry) -> Box:
         """The box ``e``'s element range is of: its chunk, or the whole tensor."""
@@ -134,12 +139,10 @@ class Places:
 
     def needed(self, e: IndexEntry) -> bool:
         """Whether any target meets the piece ``e``."""
-        targets = self.targets.get(e.tensor, ())
-        whole = full_box(self.table[e.tensor].shape)
-        if any(t.box == whole for t in targets):
+        if e.tensor in self._whole:
             return True  # a whole tensor needs every piece
         return any(intersect(b, t.box) is not None for _, b in range_boxes(self.chunk(e), e.start, e.stop)
-                   for t in targets)
+                   for t in self.targets.get(e.tensor, ()))
 
     def in_place(self, e: IndexEntry) -> memoryview | None:
         """The bytes of the one target where ``e``'s elements are one run, or ``None`` (use a temporary)."""
@@ -271,6 +274,18 @@ def _empty(t: TensorEntry) -> torch.Tensor:
     return hugepages.empty(t.shape, parse_dtype(t.dtype))
 
 
+def bytes_of(t: torch.Tensor) -> memoryview:
+    """The bytes of the contiguous CPU tensor ``t``, writable, as one flat memoryview that keeps
+    ``t`` alive. Through ctypes: 0.7 us a tensor against 2.8 us for ``t.view(torch.uint8).numpy()``
+    (the restore makes one per target before its reader threads start)."""
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray())
+    area = (ctypes.c_char * nbytes).from_address(t.data_ptr())
+    area.tensor = t  # type: ignore[attr-defined]  # the view must not outlive the memory
+    return memoryview(area).cast("B")
+
+
 def _extents_by_rank(ck: Opened) -> dict[int, dict[IndexEntry, int]]:
     return {idx.rank: dict(zip(idx.entries, extents(idx.entries, idx.data_bytes))) for idx in ck.indexes}
 
@@ -381,10 +396,12 @@ def read_entries(storage: Storage, ck: Opened, jobs: Sequence[tuple[int, IndexEn
             if progress is not None:
                 progress(e.nbytes)
 
-    if len(groups) <= 1:
-        for k in range(len(groups)):
-            read_share(k)
+    if not groups:
         return
-    with ThreadPoolExecutor(len(groups), thread_name_prefix="ckpt-read") as pool:
-        for f in [pool.submit(read_share, k) for k in range(len(groups))]:
+    # The calling thread reads share 0 itself: one thread fewer to start and join (the restore
+    # waits for both), and share 0 starts at once.
+    with ThreadPoolExecutor(max(1, len(groups) - 1), thread_name_prefix="ckpt-read") as pool:
+        others = [pool.submit(read_share, k) for k in range(1, len(groups))]
+        read_share(0)  # on failure the others stop at their current run; leaving the block waits for them
+        for f in others:
             f.result()

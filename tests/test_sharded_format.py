@@ -6,8 +6,11 @@ ranges, tested against brute force over many shapes (hypothesis), the way the pl
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
+import sys
+import weakref
 from math import prod
 
 import pytest
@@ -19,7 +22,7 @@ from ckpt_engine.errors import FormatError
 from ckpt_engine.format.manifest import (SHARDED, IndexEntry, Manifest, RankIndex, RankRecord, TensorEntry,
                                          check_coverage)
 from ckpt_engine.plan import TensorMeta, chunk_slice, make_plan
-from ckpt_engine.restore import Places, Target
+from ckpt_engine.restore import Places, Target, bytes_of
 from ckpt_engine.sharding.boxes import (box_of, contiguous_start, full_box, index_boxes, intersect, numel,
                                         range_boxes, relative, tiling_error)
 from ckpt_engine.sharding.dtensors import Sharding
@@ -192,6 +195,22 @@ def test_same_chunks_and_row_chunks_are_read_in_place():
     assert places.needed(across) and places.in_place(across) is None
     columns = Target(0, ((0, 6), (0, 2)), torch.empty(6, 2))
     assert Places(table, [columns]).in_place(same) is None
+
+
+def test_bytes_of_is_the_tensors_own_memory_and_keeps_it_alive():
+    t = torch.arange(6, dtype=torch.int32).reshape(2, 3)
+    view = bytes_of(t)
+    assert (view.nbytes, view.format, view.readonly) == (24, "B", False)
+    view[4:8] = (7).to_bytes(4, sys.byteorder)  # what a read writes lands in the tensor
+    assert t.tolist() == [[0, 7, 2], [3, 4, 5]]
+    alive = weakref.ref(t)
+    del t
+    gc.collect()
+    assert alive() is not None and bytes(view[4:8]) == (7).to_bytes(4, sys.byteorder)
+    del view
+    gc.collect()
+    assert alive() is None
+    assert bytes_of(torch.empty(0, 3)).nbytes == 0
 
 
 # ---- the manifest's records ------------------------------------------------------------------------
