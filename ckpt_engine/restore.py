@@ -167,7 +167,7 @@ class Places:
         if view is not None:
             return view, None
         temp = torch.empty(e.stop - e.start, dtype=parse_dtype(self.table[e.tensor].dtype))
-        return memoryview(temp.view(torch.uint8).numpy()), temp
+        return bytes_of(temp), temp
 
     def scatter(self, e: IndexEntry, piece: torch.Tensor) -> None:
         """Copy the verified elements of ``e`` (``piece``, flat) into every target they meet."""
