@@ -117,7 +117,7 @@ class Checkpointer:
         if type(flush_retries) is not int or flush_retries < 1:
             raise ValueError(f"flush_retries must be a positive integer, got {flush_retries!r}")
         specs = level_specs(path, levels, storage_options, keep_last)
-        if readonly and len(specs) > 1:
+        if readonly and (len(specs) > 1 or specs[0].memory):
             raise CheckpointError("readonly=True takes one path: open the level to read directly "
                                   "(e.g. Checkpointer(levels[-1], readonly=True))")
         self.readonly = readonly
@@ -200,6 +200,7 @@ class Checkpointer:
         start, cpu = time.perf_counter(), time.thread_time()
         enc, lenc = encode(state, "state"), encode(local, "local", sharded=False)
         lay, plan = self._snapshots.plan(enc, lenc)
+        self._dest.admit(lay.nbytes)
         self._seq += 1
         attempt = f"{self._dest.generation}{self._seq:08d}"
         dirname = dir_name(step, attempt)
@@ -233,7 +234,8 @@ class Checkpointer:
         then land in that save's stall (about 0.2 s per GiB here).
         """
         self._check_open()
-        _, plan = self._snapshots.plan(encode(state, "state"), encode(local, "local", sharded=False))  # with the staging areas
+        lay, plan = self._snapshots.plan(encode(state, "state"), encode(local, "local", sharded=False))  # with the staging areas
+        self._dest.admit(lay.nbytes)
         self._pool.reserve(plan.nbytes, pinned=bool(plan.devices))
 
     def wait(self, *, retention: bool = False, flush: bool = False, timeout: float | None = None) -> None:
@@ -439,7 +441,7 @@ class Checkpointer:
 def _open_destination(specs: Sequence[LevelSpec], comm: Comm, readonly: bool, commit_timeout: float,
                       flush_retries: int, tally: Tally) -> Destination:
     """Every rank (a collective): one path is a single level; several levels are flushed in the background."""
-    if len(specs) == 1:
+    if len(specs) == 1 and not specs[0].memory:
         return SingleLevel(specs[0], comm, readonly=readonly)
     return MultiLevel(specs, comm, commit_timeout=commit_timeout, retries=flush_retries, tally=tally)
 

@@ -21,11 +21,22 @@ and ``keep_last`` are the defaults of entries that do not set their own. In YAML
       - path: s3://bucket/run                # level 2: flushed in the background
         keep_last: 10
     keep_last: 2
+
+The first level may be the node's memory (``kind: memory``, levels/memory.py): checkpoints
+committed in ``/dev/shm`` (or ``path``), each rank's part also sent to ``replicas`` peer ranks on
+other nodes, within ``budget`` bytes per node; ``job`` names the owner of that memory (default:
+derived from the other levels, so that a restarted job finds it)::
+
+    levels:
+      - {kind: memory, replicas: 1, budget: 8GiB}
+      - /local_nvme/run
+      - s3://bucket/run
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -50,6 +61,19 @@ class LevelSpec:
     path: Any
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     keep_last: int | None = None
+    kind: str = "storage"
+    """``"storage"`` (a directory or fsspec URL) or ``"memory"`` (node memory, levels/memory.py)."""
+    replicas: int = 1
+    """Memory level: peer ranks on other nodes that get a copy of each rank's part (0: none)."""
+    budget: int | None = None
+    """Memory level: bytes one node may hold in checkpoints (its ranks' parts and the replicas it keeps)."""
+    job: str | None = None
+    """Memory level: the job that owns the node's memory (default: derived from the other levels)."""
+
+    @property
+    def memory(self) -> bool:
+        """Whether this is a node-memory level."""
+        return self.kind == "memory"
 
     @property
     def location(self) -> str:
@@ -57,7 +81,23 @@ class LevelSpec:
         return self.path if isinstance(self.path, str) else str(getattr(self.path, "url", self.path))
 
 
-_LEVEL_KEYS = ("path", "storage_options", "keep_last")
+_LEVEL_KEYS = ("path", "storage_options", "keep_last", "kind", "replicas", "budget", "job")
+_MEMORY_KEYS = ("replicas", "budget", "job")
+DEFAULT_MEMORY_ROOT = "/dev/shm/ckpt-suite"
+"""Where a memory level lives when its ``path`` is not given: the node's shared memory."""
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_bytes(value: Any, key: str) -> int:
+    """A byte count from an int or a text such as ``"8GiB"``, ``"500 MB"``; :class:`ConfigError` otherwise."""
+    if type(value) is int and value > 0:
+        return value
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
+        if m and m.group(2).lower() in _UNITS and float(m.group(1)) > 0:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise ConfigError(f"{key}={value!r} is invalid: expected a positive number of bytes, e.g. 8589934592 or '8GiB'")
 
 
 def parse_levels(entries: Any, *, storage_options: Mapping[str, Any] | None = None, keep_last: int | None = None,
@@ -96,13 +136,20 @@ def level_specs(path: Any, levels: Any, storage_options: Mapping[str, Any] | Non
 def _level(entry: Any, i: int, options: Mapping[str, Any], keep_last: int | None, allow_storage: bool) -> LevelSpec:
     where = f"levels[{i}]"
     if isinstance(entry, LevelSpec):
-        entry = {"path": entry.path, "storage_options": entry.storage_options, "keep_last": entry.keep_last}
+        entry = {k: getattr(entry, k) for k in _LEVEL_KEYS if entry.memory or k not in _MEMORY_KEYS}
     if not isinstance(entry, Mapping):
         entry = {"path": entry}
     unknown = sorted(set(entry) - set(_LEVEL_KEYS), key=str)
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; a level takes "
                           f"{', '.join(_LEVEL_KEYS)}")
+    kind = entry.get("kind") or "storage"
+    _check(kind in ("storage", "memory"), f"{where}.kind", kind, "'storage' or 'memory' (node memory)")
+    if kind == "memory":
+        return _memory_level(entry, where, i, keep_last)
+    extra = sorted(k for k in _MEMORY_KEYS if entry.get(k) is not None)
+    if extra:
+        raise ConfigError(f"{where}: {', '.join(extra)} apply to a memory level only (kind: memory)")
     path = entry.get("path")
     is_storage = allow_storage and _is_storage(path)
     if not is_storage and (not isinstance(path, str) or not path):
@@ -115,6 +162,29 @@ def _level(entry: Any, i: int, options: Mapping[str, Any], keep_last: int | None
     _check(level_keep is None or (type(level_keep) is int and level_keep > 0), f"{where}.keep_last", level_keep,
            "a positive integer")
     return LevelSpec(path, dict(options if own is None else own), level_keep)
+
+
+def _memory_level(entry: Mapping[str, Any], where: str, i: int, keep_last: int | None) -> LevelSpec:
+    """A node-memory level: the first of the levels, a local directory (default
+    :data:`DEFAULT_MEMORY_ROOT`), ``replicas`` >= 0, an optional ``budget`` in bytes, an optional ``job``."""
+    if i != 0:
+        raise ConfigError(f"{where}: a memory level must be the first (fastest) of the levels")
+    path = entry.get("path") or DEFAULT_MEMORY_ROOT
+    _check(isinstance(path, str) and "://" not in path.removeprefix("file://"), f"{where}.path", path,
+           "a local directory in the node's memory (a tmpfs such as /dev/shm)")
+    if entry.get("storage_options"):
+        raise ConfigError(f"{where}: a memory level is a local directory and takes no storage_options")
+    replicas = entry.get("replicas", 1)
+    _check(type(replicas) is int and replicas >= 0, f"{where}.replicas", replicas, "an integer >= 0")
+    budget = entry.get("budget")
+    job = entry.get("job")
+    _check(job is None or (isinstance(job, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", job) is not None),
+           f"{where}.job", job, "1-64 letters, digits, '_', '.' or '-'")
+    level_keep = entry["keep_last"] if "keep_last" in entry else keep_last
+    _check(level_keep is None or (type(level_keep) is int and level_keep > 0), f"{where}.keep_last", level_keep,
+           "a positive integer")
+    return LevelSpec(path.removeprefix("file://"), {}, level_keep, "memory", replicas,
+                     None if budget is None else parse_bytes(budget, f"{where}.budget"), job)
 
 
 @dataclass(frozen=True)

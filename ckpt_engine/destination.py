@@ -33,7 +33,7 @@ class Destination(Protocol):
     1. **open** (construction, training, a collective): create and sweep the levels, agree on
        this incarnation's :attr:`generation` (the prefix of its attempt tags), so that every sweep
        is done before any rank writes;
-    2. per ``save()`` (training): :meth:`saving` with what a commit of the attempt needs, returning
+    2. per ``save()`` (training): :meth:`admit` with the part's size, then :meth:`saving` with what a commit of the attempt needs, returning
        what the persist worker commits with (``None``: this rank does not commit through it); or,
        when back-pressure dropped the attempt, :meth:`skipped` instead;
     3. after every persist job, failed ones included (persist): :meth:`persisted`, which commits or
@@ -53,6 +53,11 @@ class Destination(Protocol):
     """This incarnation's tag (see :func:`new_generation`), agreed at open."""
     make_room: bool
     """Whether persist may delete committed checkpoints beyond ``keep_last - 1`` when the storage is full."""
+
+    def admit(self, nbytes: int) -> None:
+        """``save()`` and ``reserve()`` (training), before a buffer is taken, with this rank's part
+        size: raise :class:`CheckpointError` when the levels cannot hold a checkpoint of it."""
+        ...
 
     def saving(self, dirname: str, inputs: CommitInputs) -> CommitInputs | None:
         """``save()`` of attempt ``dirname``: the commit inputs the persist worker gets, if any."""

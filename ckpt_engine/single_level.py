@@ -43,6 +43,9 @@ class SingleLevel:
         self._retention = Retention()
 
     # ---- saving ---------------------------------------------------------------------------------
+    def admit(self, nbytes: int) -> None:
+        """Nothing to check: a path has no budget (a full storage is handled at the write, failure.py)."""
+
     def saving(self, dirname: str, inputs: CommitInputs) -> CommitInputs | None:
         """Rank 0's persist worker commits every attempt."""
         return inputs if self.comm.rank == 0 else None

@@ -64,8 +64,9 @@ def test_candidates_newest_step_first_then_the_fastest_level():
 def test_a_node_local_copy_counts_only_when_every_rank_has_it_from_as_many_writers():
     local = [[(7, "step-000000000007-x", 2), (8, "step-000000000008-x", 2), (9, "step-000000000009-x", 3)],
              [(7, "step-000000000007-x", 2), (9, "step-000000000009-x", 3)]]
-    found = candidates({1: [(7, "step-000000000007-x")]}, local, world_size=2)
-    assert found == [Candidate(0, 7, "step-000000000007-x", True), Candidate(1, 7, "step-000000000007-x")]
+    held = [{str(rank): cat} for rank, cat in enumerate(local)]  # each rank holds its own part
+    found = candidates({1: [(7, "step-000000000007-x")]}, held, world_size=2)
+    assert found == [Candidate(0, 7, "step-000000000007-x", True, (0, 1)), Candidate(1, 7, "step-000000000007-x")]
     assert complete_everywhere(local, 2) == [(7, "step-000000000007-x")]
 
 

@@ -11,6 +11,7 @@ and level-1 retention keeps what a flusher still needs. Reading: levels/restore.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
@@ -25,9 +26,12 @@ from ..persist import PersistJob
 from ..restore import open_checkpoint
 from ..restore_agreed import Loaded
 from ..restore_exchange import Exchange
+from ..storage import Storage
 from ..tally import Tally
 from .flush import Flusher, FlushItem
-from .open import RANK_COMMIT, Level, RankCommit, open_levels, write_rank_commit
+from .memory import check_room, remove_node_dir
+from .open import RANK_COMMIT, Level, RankCommit, held_catalog, local_catalog, open_levels, rank_dir, write_rank_commit
+from .replicate import Replicator, open_group
 from .restore import candidates, load_levels
 
 
@@ -51,6 +55,16 @@ class MultiLevel:
         self.generation = opening.generation
         self.complete = opening.complete
         self.comm, self.rank, self.world_size = comm, comm.rank, comm.world_size
+        self.memory, self.node, self.nodes = specs[0], opening.node, opening.nodes
+        self._keep_fast = self.fast.keep_last
+        self._admitted = False
+        self._drained = False
+        self.replicator: Replicator | None = None
+        if self.nodes is not None and self.memory.replicas > 0 and self.nodes.count > 1:
+            group = open_group(comm, self.generation, min(commit_timeout, 120.0))
+            self.replicator = Replicator(group, self.node, self.nodes, self.rank,  # type: ignore[arg-type]
+                                         self.memory.replicas, keep_last=self.fast.keep_last,
+                                         generation=self.generation, tally=tally)
         self._templates: dict[str, CommitInputs] = {}
         self._last_committed: str | None = None
         self._retention = Retention()
@@ -65,9 +79,22 @@ class MultiLevel:
                 flusher.offer(FlushItem(dirname, parse_dir(dirname)[0], True, "", start, start))  # type: ignore[index]
 
     # ---- saving -----------------------------------------------------------------------------------
+    def admit(self, nbytes: int) -> None:
+        """Before the first save (or at ``reserve()``), with this rank's part size: a memory level
+        that cannot hold one checkpoint plus the one being written is refused with the numbers; a
+        ``budget`` lowers level 1's ``keep_last`` to what it holds (levels/memory.py)."""
+        if self._admitted or self.nodes is None:
+            return
+        fits = check_room(self.node.path(""), nbytes, self.nodes.local_world(self.rank),  # type: ignore[union-attr]
+                          len(self.nodes.peers(self.rank, self.memory.replicas)), self.memory.budget)
+        self._keep_fast = fits if self._keep_fast is None else min(self._keep_fast, fits)
+        self._admitted = True
+
     def saving(self, dirname: str, inputs: CommitInputs) -> CommitInputs | None:
         """A shared level 1 is committed by rank 0's persist worker; on a node-local one each rank
         commits its own files (:meth:`persisted`), with these inputs."""
+        if self.replicator is not None:
+            self.replicator.expect(dirname)
         if self.node_local:
             self._templates[dirname] = inputs
             return None
@@ -78,6 +105,9 @@ class MultiLevel:
         flushers learn it (rank 0 may still pick it)."""
         if self.world_size > 1:
             write_abort(self.fast.storage, dirname, self.rank, "skipped")
+        if self.replicator is not None:
+            self.replicator.expect(dirname)
+            self.replicator.settle(dirname, False)
         self._templates.pop(dirname, None)
         self._offer(FlushItem(dirname, step, False, "skipped", saved_at, time.perf_counter()))
 
@@ -94,6 +124,8 @@ class MultiLevel:
                                   inputs.manifest_body((), time.time()))  # type: ignore[union-attr]
                 job.record.committed = ok = True
         finally:
+            if self.replicator is not None:
+                self.replicator.settle(job.dirname, ok)
             reason = "skipped" if job.record.skipped else "failed"
             self._offer(FlushItem(job.dirname, job.step, ok, "" if ok else reason, job.record.started_at,
                                   time.perf_counter()))
@@ -116,7 +148,7 @@ class MultiLevel:
         protect: set[str] = set()
         for flusher in self.flushers:
             protect |= flusher.protected()
-        removed = retain(self.fast.storage, dirname, self.fast.keep_last, self.generation, marker=self.fast.marker,
+        removed = retain(self.fast.storage, dirname, self._keep_fast, self.generation, marker=self.fast.marker,
                          protect=protect)
         for flusher in self.flushers:
             flusher.forget(removed)
@@ -134,6 +166,9 @@ class MultiLevel:
         Raises :class:`CheckpointError` naming the level and steps after ``timeout`` seconds.
         """
         deadline = time.monotonic() + timeout
+        if self.replicator is not None and not self.replicator.drain(timeout):
+            raise CheckpointError(f"{self.fast.name}: replication to other nodes not finished within {timeout:g} s; "
+                                  "pass close(timeout=...) to wait longer")
         for level, flusher in zip(self.levels[1:], self.flushers):
             done = flusher.drain(max(0.0, deadline - time.monotonic()))
             if done and self.rank != 0 and flusher.last_copied is not None:  # and rank 0 committed it there
@@ -148,9 +183,14 @@ class MultiLevel:
                 raise CheckpointError(f"{level.name}: flush of steps {flusher.waiting_for()} not finished within "
                                       f"{timeout:g} s; pass close(timeout=...) to wait longer (after a restart the "
                                       "newest level-1 checkpoint is flushed again)")
+        self._drained = True
 
     def take_error(self) -> CheckpointError | None:
-        """A flush that failed for good (after its retries), once; named by its level."""
+        """A flush that failed for good (after its retries), once; named by its level. Replication
+        that stopped (a peer died) is warned about, once: the other levels go on."""
+        warning = self.replicator.take_warning() if self.replicator is not None else None
+        if warning is not None:
+            warnings.warn(warning, stacklevel=4)
         for level, flusher in zip(self.levels[1:], self.flushers):
             error = flusher.take_error()
             if error is not None:
@@ -170,6 +210,10 @@ class MultiLevel:
         failures = self._retention.shutdown()
         for flusher in self.flushers:
             flusher.stop(0.0)
+        if self.replicator is not None:
+            self.replicator.stop()
+        if self.node is not None and self._drained and len(self.levels) > 1:
+            remove_node_dir(self.node.path(""))  # the slower levels hold its newest checkpoint
         return failures
 
     # ---- catalog ----------------------------------------------------------------------------------
@@ -206,6 +250,16 @@ class MultiLevel:
             raise NoCheckpointError(f"no committed checkpoint at {self.fast.storage.describe('')}")
         storage = self.levels[found[0].level].storage
         return Loaded(open_checkpoint(storage, found[0].dirname), storage, found[0].level)
+
+    def held(self) -> dict[str, list[tuple[int, str, int]]]:
+        """The committed node-local level-1 parts this rank can read now, by writer (levels/open.py)."""
+        if self.node is not None:
+            return held_catalog(self.node, self.rank, True)
+        return {str(self.rank): local_catalog(self.fast.storage)}
+
+    def part_storage(self, writer: int) -> Storage:
+        """Where this rank reads ``writer``'s part on the node-local level 1."""
+        return self.fast.storage if writer == self.rank or self.node is None else self.node.child(rank_dir(writer))
 
     def _manifest_of(self, dirname: str) -> Callable[[tuple[RankRecord, ...]], Manifest]:
         """Rank 0's flusher: the level-1 manifest of ``dirname``, to commit the same on a lower level."""

@@ -19,8 +19,9 @@ Every lower level must be shared (rank 0 commits there), which the same probe ch
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import xxhash
 
@@ -31,6 +32,7 @@ from ..commit import sweep
 from ..config import LevelSpec
 from ..errors import CheckpointError, FormatError
 from .flush import FLUSHING
+from .memory import NodeTable, claim, job_tag, node_dir, node_key, sweep_dead_jobs
 from ..format.manifest import MANIFEST_NAME, Manifest, RankIndex, RankRecord, data_file, index_file, seal, unseal
 from ..storage import Storage
 from ..format.strict_json import parse_json
@@ -38,6 +40,7 @@ from ..format.strict_json import parse_json
 RANK_COMMIT = "rank-commit.json"
 """On a node-local level 1: a rank's own commit of its files, written last."""
 _PROBE = ".tmp-probe-"
+_RANK_DIR = re.compile(r"rank-\d{5,}")
 
 
 def rank_dir(rank: int) -> str:
@@ -154,32 +157,39 @@ class Opening:
     levels: tuple[Level, ...]
     generation: str
     complete: tuple[tuple[int, str], ...]
-    """Node-local level 1: the checkpoints every rank has there (at start)."""
+    """Node-local level 1: the checkpoints the ranks can assemble from it (at start)."""
     recover: tuple[str | None, ...]
     """Per lower level: the newest level-1 checkpoint it lacks (a flush a crash cut short), to flush again."""
+    nodes: NodeTable | None = None
+    """Memory level: which node each rank is on."""
+    node: Storage | None = None
+    """Memory level: this node's directory (every rank's part this node holds, below ``rank-NNNNN/``)."""
 
 
 def open_levels(specs: Sequence[LevelSpec], comm: Comm, new_generation: Callable[[], str]) -> Opening:
     """Open every level on every rank (a collective: broadcast, all-gather, broadcast).
 
-    Rank 0 writes a probe file on every level; each rank reports which it sees. Then the sweeps
-    (rank 0 on shared levels, each rank on its own node-local files) and the stale ``flushing``
-    decisions are removed before the last collective, so no rank writes anything before that.
+    Rank 0 writes a probe file on every level; each rank reports which it sees (and, with a
+    memory level, its node and the parts its node holds). Then the sweeps (rank 0 on shared
+    levels, each rank on its own node-local files) and the stale ``flushing`` decisions are
+    removed before the last collective, so no rank writes anything before that.
     """
     rank, world = comm.rank, comm.world_size
-    storages = [open_storage(s) for s in specs]
+    memory = specs[0].memory
+    key = node_key() if memory else ""
+    storages = [open_memory(specs, rank, key) if i == 0 and memory else open_storage(s) for i, s in enumerate(specs)]
     for i, s in enumerate(storages):
         if s.protocol == "memory" and world > 1:
             raise CheckpointError(f"levels[{i}] ({s.describe('')}): memory:// lives in one process and cannot hold "
                                   f"a checkpoint of {world} ranks; use a filesystem or object store")
     generation = on_rank0(comm, lambda: _create_roots(storages, world, new_generation()))
-    shared, catalogs = [True] * len(storages), [[]]
+    shared, held = [True] * len(storages), [held_catalog(storages[0], rank, memory)]
+    keys = [key]
     if world > 1:
         seen = [s.exists(f"{_PROBE}{generation}") for s in storages]
-        own = local_catalog(storages[0].child(rank_dir(rank)))
-        views = comm.all_gather({"seen": seen, "local": own})
+        views = comm.all_gather({"seen": seen, "held": held[0], "node": key})
         shared = [all(v["seen"][i] for v in views) for i in range(len(storages))]
-        catalogs = [v["local"] for v in views]
+        held, keys = [v["held"] for v in views], [v["node"] for v in views]
         if rank == 0:
             for s in storages:
                 s.remove(f"{_PROBE}{generation}")
@@ -189,16 +199,81 @@ def open_levels(specs: Sequence[LevelSpec], comm: Comm, new_generation: Callable
             blind = [r for r, v in enumerate(views) if not v["seen"][i]]
             raise CheckpointError(f"levels[{i}] ({storages[i].describe('')}): ranks {blind} do not see rank 0's files "
                                   "there; every level after the first must be storage all ranks share")
-    node_local = not shared[0]
+    node_local = memory or not shared[0]
+    nodes = NodeTable.of(keys) if memory else None
     levels = tuple(Level(i, s.child(rank_dir(rank)) if i == 0 and node_local else s, spec.keep_last,
                          i == 0 and node_local) for i, (s, spec) in enumerate(zip(storages, specs)))
     if node_local:
         levels[0].storage.makedirs("")
         sweep(levels[0].storage, RANK_COMMIT)
-    complete = complete_everywhere(catalogs, world) if node_local else []
+    if nodes is not None:
+        for senders in nodes.sources(rank, specs[0].replicas):
+            for sender in senders:  # replicas this rank receives: what a crash left half-written
+                sweep(storages[0].child(rank_dir(sender)), RANK_COMMIT)
+    complete = [(s, d) for s, d, _ in assemblable(held, world)] if node_local else []
+    own = complete_everywhere([v.get(str(r), []) for r, v in enumerate(held)], world) if node_local else []
     # Also: every sweep is done before any rank writes (rank 0's failure is raised on every rank).
-    recover = on_rank0(comm, lambda: _sweep_shared(levels, node_local, complete, world))
-    return Opening(levels, generation, tuple((int(s), str(d)) for s, d in complete), tuple(recover))
+    recover = on_rank0(comm, lambda: _sweep_shared(levels, node_local, own, world))
+    return Opening(levels, generation, tuple((int(s), str(d)) for s, d in complete), tuple(recover), nodes,
+                   storages[0] if memory else None)
+
+
+def open_memory(specs: Sequence[LevelSpec], rank: int, node: str) -> Storage:
+    """This node's directory of the memory level ``specs[0]``: dead jobs' memory on this node swept
+    first, then claimed by this process (levels/memory.py)."""
+    spec = specs[0]
+    job = job_tag(spec, specs[1:])
+    sweep_dead_jobs(spec.location, job, node)
+    path = node_dir(spec, job, node)
+    try:
+        claim(path, rank)
+    except OSError as e:
+        raise CheckpointError(f"memory level: cannot create {path} ({e}); name a writable tmpfs directory as the "
+                              "level's 'path'") from e
+    return Storage(path)
+
+
+def held_catalog(node: Storage, rank: int, memory: bool) -> dict[str, list[tuple[int, str, int]]]:
+    """The committed parts this rank can read on a node-local level 1, by writer (as text, for JSON):
+    on a memory level every ``rank-NNNNN/`` of its node (its own, its node's ranks', the replicas
+    it received); else its own."""
+    if not memory:
+        return {str(rank): local_catalog(node.child(rank_dir(rank)))}
+    out = {}
+    for name in node.listdir(""):
+        if _RANK_DIR.fullmatch(name):
+            out[str(int(name[5:]))] = local_catalog(node.child(name))
+    return out
+
+
+def assemblable(held: Sequence[Mapping[str, Sequence[Sequence[Any]]]], world_size: int
+                ) -> list[tuple[int, str, tuple[int, ...]]]:
+    """Pure: the checkpoints the ranks can assemble from what they hold, with who reads each writer's part.
+
+    ``held[r]``: what rank ``r`` holds, ``{writer: [(step, dirname, writers' world), ...]}``. A
+    checkpoint counts when every writer ``0..world_size-1`` of it (written by ``world_size`` ranks)
+    is held by some rank. Its reader of writer ``w`` is ``w`` itself when it holds it, else the
+    holder with the fewest parts to read so far (the lowest rank on a tie). Sorted by step.
+    """
+    holders: dict[tuple[int, str], dict[int, list[int]]] = {}
+    for r, view in enumerate(held):
+        for writer, cat in view.items():
+            for s, d, w in cat:
+                if int(w) == world_size and 0 <= int(writer) < world_size:
+                    holders.setdefault((int(s), str(d)), {}).setdefault(int(writer), []).append(r)
+    out = []
+    for (step, dirname), by_writer in sorted(holders.items()):
+        if len(by_writer) != world_size:
+            continue
+        load = [0] * len(held)
+        readers = []
+        for w in range(world_size):
+            have = by_writer[w]
+            reader = w if w in have else min(have, key=lambda r: (load[r], r))
+            load[reader] += 1
+            readers.append(reader)
+        out.append((step, dirname, tuple(readers)))
+    return out
 
 
 def _create_roots(storages: Sequence[Storage], world: int, generation: str) -> str:

@@ -11,8 +11,10 @@ several ranks, on the training thread):
    of the same step on a slower level always, an older step only with ``fallback=True``.
 
 A shared level is read as a single-level checkpoint is (each rank reads the whole state). A
-node-local level 1 holds only this rank's slices, so each rank reads and verifies its own data
-file, then the ranks exchange the bytes over the communicator in rounds of ``EXCHANGE`` bytes.
+node-local level 1 holds only this rank's slices (a memory level: its node's ranks' and the
+replicas the node received), so each writer's part is read and verified by one rank that holds
+it (the writer itself when it can: :func:`~ckpt_engine.levels.open.assemblable`), then the ranks
+exchange the bytes over the communicator in rounds of ``EXCHANGE`` bytes.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from ..comm import Comm
 from ..errors import CheckpointError, CorruptionError, FormatError, MismatchError, NoCheckpointError
 from .transfer import StreamCheck
 from ..format.catalog import manifest_dirs
-from .open import RANK_COMMIT, Level, RankCommit, complete_everywhere, local_catalog
+from .open import RANK_COMMIT, Level, RankCommit, assemblable
 from ..format.manifest import IndexEntry, RankIndex, RankRecord, check_coverage, data_file, index_file
 from ..restore import Opened, Places, Target, open_checkpoint, whole_targets
 from ..restore_into import fill
@@ -37,6 +39,7 @@ from ..restore_agreed import Loaded, read_for_rank
 from ..values import decode, parse_dtype
 
 if TYPE_CHECKING:
+    from ..storage import Storage
     from .multilevel import MultiLevel
 
 EXCHANGE = 64 << 20
@@ -51,19 +54,22 @@ class Candidate:
     step: int
     dirname: str
     node_local: bool = False
+    readers: tuple[int, ...] = ()
+    """Node-local: which rank reads each writer's part."""
 
 
-def candidates(shared: Mapping[int, Sequence[Sequence[Any]]], local: Sequence[Sequence[Sequence[Any]]] | None,
+def candidates(shared: Mapping[int, Sequence[Sequence[Any]]], held: Sequence[Mapping[str, Any]] | None,
                world_size: int, step: int | None = None) -> list[Candidate]:
     """Pure: every copy to try, in order (newest step, then fastest level, then newest attempt).
 
-    ``shared``: per shared level, its ``(step, dirname)`` with a manifest. ``local``: per rank,
-    its node-local level-1 ``(step, dirname, writers)``; such a copy counts only when every rank
-    lists it and it was written by ``world_size`` ranks (rank ``r`` holds writer ``r``'s files).
+    ``shared``: per shared level, its ``(step, dirname)`` with a manifest. ``held``: per rank, the
+    node-local level-1 parts it can read, ``{writer: [(step, dirname, writers), ...]}``; such a
+    copy counts only when every writer's part is held by some rank and it was written by
+    ``world_size`` ranks (:func:`~ckpt_engine.levels.open.assemblable`).
     """
     found = [Candidate(level, int(s), str(d)) for level, dirs in shared.items() for s, d in dirs]
-    if local:
-        found += [Candidate(0, s, d, True) for s, d in complete_everywhere(local, world_size)]
+    if held:
+        found += [Candidate(0, s, d, True, readers) for s, d, readers in assemblable(held, world_size)]
     if step is not None:
         found = [c for c in found if c.step == step]
     return sorted(found, key=lambda c: (-c.step, c.level, tuple(-ord(ch) for ch in c.dirname)))
@@ -87,7 +93,7 @@ def load_levels(ml: MultiLevel, comm: Comm, step: int | None, fallback: bool, th
             break
         level = ml.levels[c.level]
         try:
-            attempt = (_read_local_copy(level, c, comm.rank) if c.node_local
+            attempt = (_read_local_copy(ml, c, comm.rank) if c.node_local
                        else _read_shared(level, c, threads, comm.rank, into))
             report = attempt.report
         except Exception as e:  # noqa: BLE001 - reported to the other ranks first, so that none waits forever
@@ -111,13 +117,13 @@ def load_levels(ml: MultiLevel, comm: Comm, step: int | None, fallback: bool, th
 
 def _agree(ml: MultiLevel, comm: Comm, step: int | None) -> list[Candidate]:
     """One all-gather: rank 0's view of the shared levels and every rank's node-local commits."""
-    mine: dict[str, Any] = {"local": local_catalog(ml.fast.storage) if ml.node_local else []}
+    mine: dict[str, Any] = {"held": ml.held() if ml.node_local else {}}
     if comm.rank == 0:
         mine["shared"] = [[level.index, manifest_dirs(level.storage, step)] for level in ml.levels
                           if not level.node_local]
     views = comm.all_gather(mine) if comm.world_size > 1 else [mine]
     shared = {int(i): dirs for i, dirs in views[0]["shared"]}
-    return candidates(shared, [v["local"] for v in views] if ml.node_local else None, comm.world_size, step)
+    return candidates(shared, [v["held"] for v in views] if ml.node_local else None, comm.world_size, step)
 
 
 # ---- a shared level ---------------------------------------------------------------------------------
@@ -137,40 +143,49 @@ def _read_shared(level: Level, c: Candidate, threads: int, rank: int, into: Any)
 # ---- a node-local level 1 -----------------------------------------------------------------------------
 @dataclass
 class _LocalCopy:
-    """This rank's verified part of a node-local checkpoint, before the exchange."""
+    """The verified parts of a node-local checkpoint this rank read (``parts``: by writer), before the exchange."""
 
     level: Level
-    dirname: str
+    candidate: Candidate
     rank: int
-    data: np.ndarray
+    parts: dict[int, np.ndarray]
     report: dict
 
     def finish(self, comm: Comm, reports: Sequence[dict], into: Any = None) -> tuple[Any, Loaded]:
-        """Build the manifest from every rank's report, then exchange the bytes and decode (or fill
-        ``into``: restore_into.py)."""
-        where = self.level.storage.describe(self.dirname)
-        rc = RankCommit.from_json(base64.b64decode(reports[0]["commit"]), f"{where} (rank 0's {RANK_COMMIT})")
-        records = [RankRecord(r, *rep["record"]) for r, rep in enumerate(reports)]
+        """Build the manifest from every writer's part as its reader reported it, then exchange the
+        bytes and decode (or fill ``into``: restore_into.py)."""
+        dirname, readers = self.candidate.dirname, self.candidate.readers
+        where = self.level.storage.describe(dirname)
+        told = [reports[reader]["parts"][str(w)] for w, reader in enumerate(readers)]
+        rc = RankCommit.from_json(base64.b64decode(told[0]["commit"]), f"{where} (writer 0's {RANK_COMMIT})")
+        records = [RankRecord(w, *part["record"]) for w, part in enumerate(told)]
         manifest = rc.manifest(records, where)
-        indexes = tuple(RankIndex.from_json(rep["index"].encode(), f"{where} ({index_file(r)})")
-                        for r, rep in enumerate(reports))
-        for r, idx in enumerate(indexes):
-            expected = (manifest.step, r, manifest.world_size, rc.attempt)
+        indexes = tuple(RankIndex.from_json(part["index"].encode(), f"{where} ({index_file(w)})")
+                        for w, part in enumerate(told))
+        for w, idx in enumerate(indexes):
+            expected = (manifest.step, w, manifest.world_size, rc.attempt)
             if (idx.step, idx.rank, idx.world_size, idx.attempt) != expected:
-                raise FormatError(f"{where}: {index_file(r)} of rank {r} belongs to another checkpoint")
-        check_coverage(manifest, indexes, lambda r: f"{where} ({index_file(r)})")
+                raise FormatError(f"{where}: {index_file(w)} of writer {w} belongs to another checkpoint")
+        check_coverage(manifest, indexes, lambda w: f"{where} ({index_file(w)})")
         keep = sorted({self.rank, 0})
-        local_tensors = {r: [torch.empty(t.shape, dtype=parse_dtype(t.dtype)) for t in indexes[r].local_tensors]
-                         for r in keep}
+        local_tensors = {w: [torch.empty(t.shape, dtype=parse_dtype(t.dtype)) for t in indexes[w].local_tensors]
+                         for w in keep}
+        streams = [[w for w, reader in enumerate(readers) if reader == r] for r in range(comm.world_size)]
+        mine = [self.parts[w] for w in streams[self.rank]]
+        length = max(sum(indexes[w].data_bytes for w in ws) for ws in streams)
 
         def read(wanted: Sequence[Target]) -> None:
             places = Places(manifest.tensors, wanted)
             targets = [_targets(idx, places, local_tensors.get(idx.rank)) for idx in indexes]
-            rounds = -(-max(idx.data_bytes for idx in indexes) // EXCHANGE)
-            for k in range(rounds):  # every rank takes part in every round, whatever it keeps
+            for k in range(-(-length // EXCHANGE)):  # every rank takes part in every round, whatever it keeps
                 lo = k * EXCHANGE
-                for r, part in enumerate(_gather_bytes(comm, self.data[lo:lo + EXCHANGE])):
-                    _place(targets[r], lo, part)
+                for r, part in enumerate(_gather_bytes(comm, _cut(mine, lo, lo + EXCHANGE))):
+                    base = 0
+                    for w in streams[r]:
+                        size = indexes[w].data_bytes
+                        if lo < base + size and lo + len(part) > base:
+                            _place(targets[w], lo - base, part)
+                        base += size
             for idx_targets in targets:
                 for _, _, _, entry, temp in idx_targets:
                     if temp is not None:
@@ -182,37 +197,56 @@ class _LocalCopy:
             whole = whole_targets(manifest.tensors)
             read(whole)
             state = decode(manifest.state, lambda i: whole[i].out, count=len(whole), where=where)
-        locals_ = {r: decode(indexes[r].local, local_tensors[r].__getitem__, count=len(local_tensors[r]),
-                             where=f"{where} ({index_file(r)})") for r in keep}
-        opened = Opened(self.dirname, manifest, indexes)
+        locals_ = {w: decode(indexes[w].local, local_tensors[w].__getitem__, count=len(local_tensors[w]),
+                             where=f"{where} ({index_file(w)})") for w in keep}
+        opened = Opened(dirname, manifest, indexes)
         return state, Loaded(opened, self.level.storage, self.level.index, locals_, node_local=True)
 
 
-def _read_local_copy(level: Level, c: Candidate, rank: int) -> _LocalCopy:
-    """Read and verify this rank's marker, index and whole data file (one pass)."""
-    storage, dirname = level.storage, c.dirname
+def _cut(parts: Sequence[np.ndarray], lo: int, hi: int) -> np.ndarray:
+    """Bytes ``[lo, hi)`` of the parts laid end to end (a rank's stream in the exchange)."""
+    pieces, base = [], 0
+    for data in parts:
+        a, b = max(lo, base), min(hi, base + len(data))
+        if a < b:
+            pieces.append(data[a - base:b - base])
+        base += len(data)
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces) if pieces else np.empty(0, dtype=np.uint8)
+
+
+def _read_local_copy(ml: MultiLevel, c: Candidate, rank: int) -> _LocalCopy:
+    """Read and verify the parts this rank reads for ``c``: each one's marker, index and whole data file."""
+    parts, told = {}, {}
+    for writer, reader in enumerate(c.readers):
+        if reader == rank:
+            parts[writer], told[str(writer)] = _read_part(ml.part_storage(writer), c.dirname, writer)
+    return _LocalCopy(ml.fast, c, rank, parts, {"ok": True, "parts": told})
+
+
+def _read_part(storage: Storage, dirname: str, writer: int) -> tuple[np.ndarray, dict]:
+    """One writer's part of ``dirname`` on a node-local level, verified in one pass, and its report."""
     marker_raw = storage.read_bytes(f"{dirname}/{RANK_COMMIT}")
     rc = RankCommit.from_json(marker_raw, storage.describe(f"{dirname}/{RANK_COMMIT}"))
-    where = storage.describe(f"{dirname}/{index_file(rank)}")
-    raw = storage.read_bytes(f"{dirname}/{index_file(rank)}")
-    if len(raw) != rc.record.index_bytes or xxhash.xxh3_64_hexdigest(raw) != rc.record.index_xxh3 or rc.rank != rank:
+    where = storage.describe(f"{dirname}/{index_file(writer)}")
+    raw = storage.read_bytes(f"{dirname}/{index_file(writer)}")
+    if len(raw) != rc.record.index_bytes or xxhash.xxh3_64_hexdigest(raw) != rc.record.index_xxh3 \
+            or rc.rank != writer:
         raise CorruptionError(f"{where}: checksum mismatch (the index file was modified or replaced)")
     idx = RankIndex.from_json(raw, where)
-    data_where = storage.describe(f"{dirname}/{data_file(rank)}")
-    size = storage.regular_size(f"{dirname}/{data_file(rank)}")
+    data_where = storage.describe(f"{dirname}/{data_file(writer)}")
+    size = storage.regular_size(f"{dirname}/{data_file(writer)}")
     if size != idx.data_bytes:
         raise CorruptionError(f"{data_where}: {'missing' if size is None else f'{size} bytes'}, "
                               f"{idx.data_bytes} expected (truncated or replaced)")
     data = np.empty(idx.data_bytes, dtype=np.uint8)
     check = StreamCheck(idx, data_where)
-    with storage.reader(f"{dirname}/{data_file(rank)}") as reader:
+    with storage.reader(f"{dirname}/{data_file(writer)}") as reader:
         view = memoryview(data)
         reader.read_into(0, view)
         check.feed(view)
     check.finish()
-    report = {"ok": True, "record": [idx.data_bytes, len(raw), rc.record.index_xxh3], "index": raw.decode(),
-              "commit": base64.b64encode(marker_raw).decode() if rank == 0 else None}
-    return _LocalCopy(level, dirname, rank, data, report)
+    return data, {"record": [idx.data_bytes, len(raw), rc.record.index_xxh3], "index": raw.decode(),
+                  "commit": base64.b64encode(marker_raw).decode() if writer == 0 else None}
 
 
 _Target = tuple[int, int, Any, IndexEntry, "torch.Tensor | None"]

@@ -1,0 +1,79 @@
+"""One rank of a real job with a node-memory level (gloo, CPU), driven by test_memory_level.py.
+
+Usage: ``python memory_worker.py MODE MEM DISK OUT [STEPS]`` with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT
+and ``CKPT_NODE`` (the simulated node) in the environment. The levels are the memory level at ``MEM``
+(job ``test``, ``REPLICAS`` replicas, default 1) and, unless ``DISK`` is ``-``, a disk level at ``DISK``
+(``HOLD_DISK=1`` holds its data-file writes at a gate that never opens: a disk that never receives a
+checkpoint, so only memory has the newest ones).
+
+Modes:
+
+* ``save``: save ``make_state(s)`` / ``make_local(s, rank)`` for s in 1..STEPS, ``wait()`` after each,
+  then ``wait(flush=True)`` unless the disk is held; write the counters, print ``saved``, then stay
+  alive (the test SIGKILLs every rank: nothing is closed);
+* ``restore``: ``restore()``; write the step, the level, digests of the state and of this rank's local;
+  then ``close()``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from worker_exit import leave  # noqa: E402
+from ckpt_engine import Checkpointer, TorchDistComm  # noqa: E402
+from ckpt_engine.testing import GatedStorage  # noqa: E402
+from dist_worker import digest, make_local, make_state  # noqa: E402
+
+
+def levels(mem: str, disk: str) -> list:
+    out: list = [{"kind": "memory", "path": mem, "job": "test", "replicas": int(os.environ.get("REPLICAS", "1")),
+                  "keep_last": int(os.environ.get("KEEP_MEM", "2"))}]
+    if disk != "-":
+        level2 = GatedStorage(disk)
+        if os.environ.get("HOLD_DISK") != "1":
+            level2.gate.set()
+        out.append({"path": level2, "keep_last": 3})
+    return out
+
+
+def main() -> None:
+    mode, mem, disk, out = sys.argv[1:5]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.set_num_threads(1)  # several ranks share 2 cores in tests
+    ck = Checkpointer(levels=levels(mem, disk), comm=TorchDistComm(), on_error="warn")
+    result: dict = {"rank": rank}
+    if mode == "save":
+        for step in range(1, int(sys.argv[5]) + 1):
+            ck.save(make_state(step), step, make_local(step, rank))
+            ck.wait()
+        ck._dest.replicator.drain(120) if ck._dest.replicator is not None else None
+        if disk != "-" and os.environ.get("HOLD_DISK") != "1":
+            ck.wait(flush=True)
+        result.update(counters=dict(ck.counters))
+        with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
+            json.dump(result, f)
+        print("saved", flush=True)
+        time.sleep(600)
+    elif mode == "restore":
+        r = ck.restore()
+        result.update(step=r.step, level=r.level, state=digest(r.state), local=digest(r.local),
+                      failures=ck.load_failures)
+        ck.close()
+        with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+    leave()

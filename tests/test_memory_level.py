@@ -1,0 +1,197 @@
+"""The node-memory level: configuration, node table, ownership and sweeping, budget, and real jobs
+of 2 simulated nodes x 2 ranks that lose a node and resume from the memory the other node holds."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from ckpt_engine import Checkpointer
+from ckpt_engine.config import ConfigError, LevelSpec, parse_levels
+from ckpt_engine.errors import CheckpointError
+from ckpt_engine.levels.memory import (NodeTable, alive_owners, check_room, claim, job_tag, node_footprint, node_key,
+                                       sweep_dead_jobs)
+from ckpt_engine.levels.open import assemblable
+
+sys.path.insert(0, os.path.dirname(__file__))
+from dist_worker import digest, make_local, make_state  # noqa: E402
+from ranks import lines_of, start_ranks  # noqa: E402
+
+WORKER = os.path.join(os.path.dirname(__file__), "memory_worker.py")
+
+
+# ---- configuration ----------------------------------------------------------------------------------
+def test_a_memory_level_is_configured_first_with_replicas_budget_and_job():
+    mem, disk = parse_levels([{"kind": "memory", "budget": "2GiB", "replicas": 2, "job": "run-7"}, "/data/run"],
+                             keep_last=3)
+    assert (mem.memory, mem.path, mem.budget, mem.replicas, mem.job, mem.keep_last) == \
+        (True, "/dev/shm/ckpt-suite", 2 << 30, 2, "run-7", 3)
+    assert not disk.memory
+    assert parse_levels([mem, disk]) == (mem, disk)  # a LevelSpec passes through unchanged
+
+
+@pytest.mark.parametrize("levels, words", [
+    (["/data/run", {"kind": "memory"}], "must be the first"),
+    ([{"kind": "memory", "budget": "lots"}, "/d"], "levels[0].budget='lots'"),
+    ([{"kind": "memory", "replicas": -1}, "/d"], "levels[0].replicas=-1"),
+    ([{"kind": "memory", "path": "s3://bucket/x"}, "/d"], "a local directory"),
+    ([{"kind": "memory", "job": "a/b"}, "/d"], "levels[0].job='a/b'"),
+    ([{"path": "/fast", "replicas": 1}, "/d"], "apply to a memory level only"),
+    ([{"kind": "ram"}, "/d"], "levels[0].kind='ram'"),
+])
+def test_bad_memory_level_settings_are_refused_naming_the_key(levels, words):
+    with pytest.raises(ConfigError, match=None) as e:
+        parse_levels(levels)
+    assert words in str(e.value)
+
+
+def test_the_job_that_owns_memory_is_derived_from_the_other_levels_so_a_restart_finds_it():
+    mem = LevelSpec("/dev/shm/x", kind="memory")
+    assert job_tag(mem, [LevelSpec("/data/run")]) == job_tag(mem, [LevelSpec("/data/run/")])
+    assert job_tag(mem, [LevelSpec("/data/run")]) != job_tag(mem, [LevelSpec("/data/other")])
+    assert job_tag(LevelSpec("/dev/shm/x", kind="memory", job="mine"), []) == "mine"
+
+
+def test_the_node_is_what_the_launcher_says_overridable():
+    assert node_key({"CKPT_NODE": "sim/1", "GROUP_RANK": "4"}) == "sim_1"
+    assert node_key({"GROUP_RANK": "4"}) == "4"
+    assert node_key({"HOROVOD_CROSS_RANK": "2"}) == "2"
+    assert node_key({}) != ""
+
+
+# ---- who sends to whom ------------------------------------------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=24), st.integers(0, 3))
+def test_every_part_goes_to_peers_on_other_nodes_and_each_receiver_knows_its_senders(keys, replicas):
+    table = NodeTable.of([str(k) for k in keys])
+    rounds = min(replicas, table.count - 1)
+    for rank in range(len(keys)):
+        peers = table.peers(rank, replicas)
+        assert len(peers) == rounds
+        assert len({table.nodes[p] for p in peers}) == len(peers)  # a different node each
+        assert table.nodes[rank] not in {table.nodes[p] for p in peers}
+        for k, peer in enumerate(peers):
+            assert rank in table.sources(peer, replicas)[k]
+    sent = sum(len(table.peers(r, replicas)) for r in range(len(keys)))
+    assert sent == sum(len(s) for r in range(len(keys)) for s in table.sources(r, replicas))
+
+
+def test_a_checkpoint_is_assembled_from_whichever_rank_holds_each_part():
+    ck = [(5, "step-5-a", 4)]
+    # node 1 (ranks 2, 3) lost its memory: ranks 0 and 1 hold their own parts and node 1's replicas
+    held = [{"0": ck, "1": ck, "2": ck, "3": ck}, {"0": ck, "1": ck, "2": ck, "3": ck}, {}, {}]
+    assert assemblable(held, 4) == [(5, "step-5-a", (0, 1, 0, 1))]
+    whole = [{str(w): ck for w in range(4)} for _ in range(4)]
+    assert assemblable(whole, 4) == [(5, "step-5-a", (0, 1, 2, 3))]  # each its own
+    assert assemblable([{"0": ck}, {"0": ck}, {}, {}], 4) == []  # writers 1-3 nowhere
+    assert assemblable(whole, 2) == []  # written by another world size
+
+
+# ---- ownership, sweeping, room ----------------------------------------------------------------------
+def test_memory_of_a_dead_job_is_swept_and_a_live_or_own_job_is_kept(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for job in ("gone", "alive", "mine"):
+        (tmp_path / job / "node-0" / "owners").mkdir(parents=True)
+    (tmp_path / "gone" / "node-0" / "owners" / f"pid-{dead.pid}.json").write_text(
+        json.dumps({"pid": dead.pid, "start": "1", "boot": ""}))
+    claim(str(tmp_path / "alive" / "node-0"), 0)
+    assert alive_owners(str(tmp_path / "alive" / "node-0")) == [os.getpid()]
+    removed = sweep_dead_jobs(str(tmp_path), "mine", "0")
+    assert removed == [str(tmp_path / "gone" / "node-0")]
+    assert sorted(os.listdir(tmp_path)) == ["alive", "mine"]
+
+
+def test_a_budget_that_cannot_hold_a_checkpoint_is_refused_with_the_numbers(tmp_path):
+    assert node_footprint(100, 2, 1) == 400
+    assert check_room(str(tmp_path), 100, 2, 1, 4000) == 9
+    with pytest.raises(CheckpointError) as e:
+        check_room(str(tmp_path), 100, 2, 1, 700)
+    assert all(words in str(e.value) for words in ("400 bytes", "2 rank(s) x 100 bytes", "budget is 700 bytes"))
+
+
+def test_the_first_save_into_a_too_small_budget_is_refused_before_anything_is_written(tmp_path):
+    ck = Checkpointer(levels=[{"kind": "memory", "path": str(tmp_path / "mem"), "budget": 1000},
+                              str(tmp_path / "disk")])
+    with pytest.raises(CheckpointError, match="budget is 1000 bytes"):
+        ck.save({"w": torch.zeros(1000)}, 1)
+    ck.close()
+
+
+def test_memory_then_disk_in_one_process_and_close_releases_the_memory(tmp_path):
+    mem = tmp_path / "mem"
+    ck = Checkpointer(levels=[{"kind": "memory", "path": str(mem), "job": "j"}, str(tmp_path / "disk")], keep_last=2)
+    for step in (1, 2, 3):
+        ck.save(make_state(step), step, make_local(step, 0))
+    ck.wait(flush=True)
+    assert ck.load(step=3) is not None and ck.loaded_level == 0
+    assert digest(ck.load()) == digest(make_state(3))
+    assert os.listdir(mem / "j") == [f"node-{node_key()}"]
+    ck.close()
+    assert not (mem / "j").exists()  # the disk holds the newest: nothing left in memory
+    again = Checkpointer(str(tmp_path / "disk"), readonly=True)
+    assert digest(again.load()) == digest(make_state(3))
+
+
+# ---- real jobs: 2 simulated nodes x 2 ranks ------------------------------------------------------------
+NODES = [{"CKPT_NODE": str(r // 2), "LOCAL_WORLD_SIZE": "2"} for r in range(4)]
+
+
+def _save_then_kill(mem, disk, out, steps: int, env: dict) -> list[dict]:
+    procs = start_ranks(4, ["save", str(mem), disk, str(out), str(steps)], env, worker=WORKER, rank_env=NODES)
+    try:
+        for p, q in zip(procs, [lines_of(p) for p in procs]):
+            seen = []
+            while (line := q.get(timeout=240)) not in ("saved", "<eof>"):
+                seen.append(line)
+            assert line == "saved", "\n".join(seen)
+    finally:
+        for p in procs:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    return [json.load(open(out / f"rank-{r}.json")) for r in range(4)]
+
+
+def _restore(mem, disk, out, env: dict) -> list[dict]:
+    procs = start_ranks(4, ["restore", str(mem), disk, str(out)], env, worker=WORKER, rank_env=NODES)
+    for p in procs:
+        output, _ = p.communicate(timeout=240)
+        assert p.returncode == 0, output
+    return [json.load(open(out / f"rank-{r}.json")) for r in range(4)]
+
+
+@pytest.mark.slow
+def test_a_lost_node_resumes_from_the_newest_step_in_the_other_nodes_memory(tmp_path):
+    """Every rank SIGKILLed; node 1's memory deleted (a replaced node); the disk never got a checkpoint."""
+    mem, out = tmp_path / "mem", tmp_path / "out"
+    out.mkdir()
+    env = {"HOLD_DISK": "1"}
+    saved = _save_then_kill(mem, str(tmp_path / "disk"), out, 3, env)
+    assert all(r["counters"]["replicated"] == 3 and r["counters"]["replica_failed"] == 0 for r in saved)
+    shutil.rmtree(mem / "test" / "node-1")
+    restored = _restore(mem, str(tmp_path / "disk"), out, env)
+    for rank, r in enumerate(restored):
+        assert (r["step"], r["level"], r["failures"]) == (3, 0, [])
+        assert r["state"] == digest(make_state(3))
+        assert r["local"] == digest(make_local(3, rank))  # node 1's per-rank parts came from node 0
+
+
+@pytest.mark.slow
+def test_without_replicas_a_lost_node_falls_back_to_the_disk(tmp_path):
+    mem, out = tmp_path / "mem", tmp_path / "out"
+    out.mkdir()
+    env = {"REPLICAS": "0"}
+    _save_then_kill(mem, str(tmp_path / "disk"), out, 3, env)
+    shutil.rmtree(mem / "test" / "node-1")
+    restored = _restore(mem, str(tmp_path / "disk"), out, env)
+    for rank, r in enumerate(restored):
+        assert (r["step"], r["level"]) == (3, 1)  # memory cannot assemble it: the disk has it
+        assert r["state"] == digest(make_state(3)) and r["local"] == digest(make_local(3, rank))
