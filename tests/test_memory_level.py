@@ -110,6 +110,26 @@ def test_memory_of_a_dead_job_is_swept_and_a_live_or_own_job_is_kept(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["alive", "mine"]
 
 
+def test_ckpt_gc_memory_lists_then_removes_only_the_memory_of_dead_jobs(tmp_path, capsys):
+    from ckpt_engine.cli import main
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / "gone" / "node-a" / "owners").mkdir(parents=True)
+    (tmp_path / "gone" / "node-a" / "owners" / f"pid-{dead.pid}.json").write_text(json.dumps({"pid": dead.pid}))
+    (tmp_path / "gone" / "node-a" / "rank-00000").mkdir()
+    (tmp_path / "gone" / "node-a" / "rank-00000" / "part.bin").write_bytes(b"x" * 1000)
+    claim(str(tmp_path / "running" / "node-a"), 0)
+    assert main(["gc", "--memory", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "would remove 1 node memory directory" in out and "gone/node-a" in out and "running" not in out
+    assert (tmp_path / "gone").exists()
+    assert main(["gc", "--memory", str(tmp_path), "--yes", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in doc["remove"]] == [str(tmp_path / "gone" / "node-a")] and doc["bytes"] >= 1000
+    assert sorted(os.listdir(tmp_path)) == ["running"]
+
+
 def test_a_budget_that_cannot_hold_a_checkpoint_is_refused_with_the_numbers(tmp_path):
     assert node_footprint(100, 2, 1) == 400
     assert check_room(str(tmp_path), 100, 2, 1, 4000) == 9

@@ -28,6 +28,7 @@ from ..format import catalog
 from ..commit import remove_checkpoint
 from ..errors import CheckpointError
 from ..format.manifest import MANIFEST_NAME
+from ..levels.memory import dead_node_dirs, sweep_dead_jobs
 from ..storage import Storage
 from .common import OK, Parents, UsageError, open_storage, print_json, root
 from .table import duration, human, render
@@ -134,6 +135,8 @@ def to_json(p: Plan, applied: bool) -> dict:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     """List (default) or delete (``--yes``) old checkpoints and dead leftovers."""
+    if args.memory:
+        return _gc_memory(args)
     storage = open_storage(args)
     try:
         grace = parse_duration(args.grace)
@@ -164,6 +167,35 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return OK
 
 
+def _gc_memory(args: argparse.Namespace) -> int:
+    """``ckpt gc --memory ROOT``: the memory-level directories on this machine of jobs none of whose
+    processes is alive (levels/memory.py); removed with ``--yes``."""
+    if "://" in args.path.removeprefix("file://"):
+        raise UsageError(f"--memory takes the memory level's local directory (e.g. /dev/shm/ckpt-suite), "
+                         f"got {args.path!r}")
+    root_dir = args.path.removeprefix("file://")
+    dead = dead_node_dirs(root_dir)
+    sizes = {d: Storage(d).usage("")[0] for d in dead}
+    if args.yes:
+        sweep_dead_jobs(root_dir, None)
+    if args.json:
+        print_json({"dry_run": not args.yes, "remove": [{"name": d, "bytes": sizes[d], "reason": "no live process"}
+                                                         for d in dead], "bytes": sum(sizes.values())})
+        return OK
+    if args.quiet:
+        return OK
+    if not dead:
+        print(f"nothing to remove at {root_dir}: every job's memory there has a live process")
+        return OK
+    print(f"{'removed' if args.yes else 'would remove'} {len(dead)} node memory "
+          f"{'directory' if len(dead) == 1 else 'directories'}, "
+          f"{human(sum(sizes.values()))} at {root_dir} (no process of their job is alive):")
+    print("\n".join(render(("directory", "size"), [(d, human(sizes[d])) for d in dead], right=(1,), indent="  ")))
+    if not args.yes:
+        print("dry run: nothing was deleted; run again with --yes to delete")
+    return OK
+
+
 def add_parser(sub: Any, parents: Parents) -> None:
     """Register ``ckpt gc`` on the sub-parsers ``sub``."""
     p = sub.add_parser("gc", parents=[parents.path, parents.common, parents.json],
@@ -172,4 +204,7 @@ def add_parser(sub: Any, parents: Parents) -> None:
     p.add_argument("--grace", default="1h",
                    help="delete uncommitted attempts only when older than this (default 1h; e.g. 90s, 30m, 2d)")
     p.add_argument("--yes", "--force", dest="yes", action="store_true", help="really delete")
+    p.add_argument("--memory", action="store_true",
+                   help="PATH is a memory level's directory (e.g. /dev/shm/ckpt-suite): remove the memory of jobs "
+                        "none of whose processes is alive on this machine")
     p.set_defaults(fn=cmd_gc)

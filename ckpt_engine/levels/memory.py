@@ -167,10 +167,10 @@ def alive_owners(directory: str) -> list[int]:
     return out
 
 
-def sweep_dead_jobs(root: str, job: str | None, node: str | None = None) -> list[str]:
-    """Remove the node directories below ``root`` of jobs other than ``job`` (``None``: every job)
-    none of whose claimants is alive; only ``node``'s when given. Returns the removed paths."""
-    removed = []
+def dead_node_dirs(root: str, job: str | None = None, node: str | None = None) -> list[str]:
+    """The node directories below ``root`` of jobs other than ``job`` (``None``: any job) none of
+    whose claimants is alive; only ``node``'s when given (what the sweep and ``ckpt gc --memory`` remove)."""
+    found = []
     try:
         jobs = sorted(os.listdir(root))
     except OSError:
@@ -184,10 +184,17 @@ def sweep_dead_jobs(root: str, job: str | None, node: str | None = None) -> list
             if not name.startswith("node-") or (node is not None and name != f"node-{node}"):
                 continue
             if os.path.isdir(path) and not os.path.islink(path) and not alive_owners(path):
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
+                found.append(path)
+    return found
+
+
+def sweep_dead_jobs(root: str, job: str | None, node: str | None = None) -> list[str]:
+    """Remove :func:`dead_node_dirs` (and job directories left empty); returns the removed paths."""
+    removed = dead_node_dirs(root, job, node)
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
         try:
-            os.rmdir(job_path)  # only when empty
+            os.rmdir(os.path.dirname(path))  # only when empty
         except OSError:
             pass
     return removed
