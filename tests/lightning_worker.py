@@ -56,9 +56,13 @@ class Counting(AsyncShardedCheckpoint):
 
     restores = 0
 
+    resumed_level = None
+
     def restore(self, step):
         self.restores += 1
-        return super().restore(step)
+        restored = super().restore(step)
+        self.resumed_level = self.session.ck.loaded_level
+        return restored
 
 
 class Net(pl.LightningModule):
@@ -146,7 +150,7 @@ class Net(pl.LightningModule):
             cb = next(c for c in self.trainer.callbacks if isinstance(c, AsyncShardedCheckpoint))
             with open(os.path.join(self.args.out, f"resumed-{self.args.tag}.json"), "w") as f:
                 json.dump({"resumed_from": cb.resumed_from, "global_step": self.global_step,
-                           "restores": cb.restores}, f)
+                           "restores": cb.restores, "resumed_level": cb.resumed_level}, f)
 
 
 class ShardedNet(Net):
@@ -222,6 +226,8 @@ def main() -> None:
     p.add_argument("--no-mesh", action="store_true", help="fsdp1: no device mesh (ShardedTensor state)")
     p.add_argument("--stateful", action="store_true", help="torchdata's StatefulDataLoader")
     p.add_argument("--level2", default=None, help="a second level: levels=[CKPT, LEVEL2]")
+    p.add_argument("--memory", default=None, help="a node-memory level first: levels=[{kind: memory, path: MEMORY}, CKPT]")
+    p.add_argument("--nodes", type=int, default=1, help="Trainer(num_nodes=...): ranks launched outside (LOCAL_RANK set)")
     p.add_argument("--raise-at", type=int, default=-1, help="every rank raises right after this step")
     p.add_argument("--lightning-last", type=int, default=0,
                    help="also ModelCheckpoint(save_last=True, every_n_train_steps=N) in OUT/mc")
@@ -231,6 +237,8 @@ def main() -> None:
     args = p.parse_args()
     pl.seed_everything(1234, workers=True)
     where = {"levels": [args.ckpt, args.level2]} if args.level2 else {"dirpath": args.ckpt}
+    if args.memory:
+        where = {"levels": [{"kind": "memory", "path": args.memory, "job": args.tag}, args.ckpt]}
     cb = Counting(**where, every_n_train_steps=args.every, keep_last=3, resume=args.resume, pipeline=args.pipeline)
     callbacks = [cb]
     if args.lightning_last:
@@ -239,7 +247,7 @@ def main() -> None:
     if args.model_checkpoint:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=os.path.join(args.out, "mc"), monitor="loss",
                                                       save_top_k=2, every_n_train_steps=4))
-    trainer = pl.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy(args),
+    trainer = pl.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy(args), num_nodes=args.nodes,
                          max_steps=args.max_steps,
                          callbacks=callbacks, logger=pl.loggers.CSVLogger(args.out, name=args.tag),
                          enable_progress_bar=False, enable_model_summary=False,
