@@ -111,11 +111,17 @@ def main(argv: list[str] | None = None) -> int:
     sampler, loader, model, optimizer, scheduler = build(args)
     say = print if hvd.rank() == 0 else (lambda *a, **k: None)
 
+    def figures(row: dict) -> None:  # ckpt: a row per checkpoint saved, and (with levels) per flush to a lower level
+        if row["kind"] == "save":
+            say(f"checkpoint step {row['step']}: stall {row['stall_ms']:.2f} ms, persist {row['persist_ms']:.1f} ms, "
+                f"{row['bytes']} bytes/rank", flush=True)
+        else:
+            say(f"checkpoint step {row['step']} flushed to level {row['level']} in {row['durable_ms']:.0f} ms"
+                f"{' (skipped)' if row['skipped'] else ''}", flush=True)
+
     ck = HorovodCheckpointer(args.ckpt_dir, model=model, optimizer=optimizer, sampler=sampler,  # ckpt
                              scheduler=scheduler, config=args.ckpt_config, every_n_steps=args.every,
-                             on_figures=lambda row: say(f"checkpoint step {row['step']}: stall "
-                                                        f"{row['stall_ms']:.2f} ms, persist {row['persist_ms']:.1f} ms"
-                                                        f", {row['bytes']} bytes/rank", flush=True))
+                             on_figures=figures)
     start = ck.restore()  # ckpt
     say(f"resumed from step {start}, epoch {ck.epoch}, {ck.samples_in_epoch} samples of it done" if start
         else "fresh start", flush=True)

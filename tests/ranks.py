@@ -17,6 +17,8 @@ import tempfile
 import threading
 import time
 
+from helpers import proc_stat
+
 WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
 
 
@@ -99,3 +101,39 @@ def kill_job(procs) -> None:
             pass
     for p in procs:
         p.wait()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (horovodrun puts each rank in its own session, so its process
+    group does not reach them): walk /proc's parent links."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        if fields := proc_stat(entry):
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every descendant, each by pid (collected before any dies, so
+    reparenting cannot hide one), and the process groups they lead."""
+    pids = [proc.pid, *descendants(proc.pid)]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=30)
+    for pid in pids:  # nothing of the job may survive to write a late file
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{pid}") and _state(pid) not in ("Z", "X") and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    fields = proc_stat(pid)
+    return fields[0] if fields else "X"

@@ -1,20 +1,26 @@
 """The node-memory level under the front ends, as users run them: a Lightning DDP job on 2 simulated
 nodes x 2 ranks loses a node (every rank SIGKILLed, node 1's memory deleted) and resumes from the
-memory node 0 holds, ending bit-identical to an uninterrupted run."""
+memory node 0 holds, ending bit-identical to an uninterrupted run; the same for the Horovod hook
+(``examples/horovod_train.py`` under ``horovodrun`` on two "hosts" of this machine)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from ranks import start_ranks  # noqa: E402
+from helpers import assert_same  # noqa: E402
+from ranks import kill_job, start_ranks  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 LIGHTNING_WORKER = os.path.join(os.path.dirname(__file__), "lightning_worker.py")
@@ -92,3 +98,69 @@ def test_lightning_ddp_two_nodes_of_two_ranks_restore_a_lost_node_from_memory_bi
     restored = torch.load(run / "restored-run.pt")
     assert restored["step"] == resumed["resumed_from"]
     _same(torch.load(ref / "final-ref.pt"), restored)
+
+
+# ---- Horovod: examples/horovod_train.py under horovodrun, two hosts on this machine -----------------
+ROOT = Path(__file__).resolve().parent.parent
+HOROVOD_EXAMPLE = ROOT / "examples" / "horovod_train.py"
+HOROVODRUN = Path(sys.executable).parent / "horovodrun"
+
+
+def _horovodrun(*args: str) -> subprocess.Popen:
+    """The example on 2 ranks on two "hosts" (localhost and 127.0.0.1: two nodes to Horovod,
+    ``HOROVOD_CROSS_RANK`` 0 and 1), in a new session."""
+    cmd = [str(HOROVODRUN), "-np", "2", "-H", "localhost:1,127.0.0.1:1", "--gloo", "--network-interface", "lo",
+           sys.executable, str(HOROVOD_EXAMPLE), *args]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
+                            start_new_session=True)
+
+
+def _steps_done(log: Path) -> int:
+    try:
+        lines = (log / "rank-0.jsonl").read_text().splitlines()
+    except OSError:
+        return 0
+    return max((json.loads(line)["step"] for line in lines[:-1]), default=0)  # the last line may be torn
+
+
+def _memory_steps(mem: Path, node: int, writer: int) -> list[int]:
+    return sorted(int(p.parent.name.split("-")[1]) for p in
+                  (mem / "hvd" / f"node-{node}" / f"rank-{writer:05d}").glob("step-*/rank-commit.json"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("horovod") is None, reason="horovod is not installed")
+def test_horovod_hook_resumes_a_lost_node_and_a_lost_disk_from_the_other_nodes_memory_bit_identical(tmp_path):
+    """2 hosts x 1 rank; every process SIGKILLed mid-epoch, node 1's memory and the whole disk level
+    deleted: the only copy left is node 0's memory (its own part and node 1's replica)."""
+    config = tmp_path / "ckpt.yaml"
+    config.write_text(f"levels:\n  - {{kind: memory, path: {tmp_path / 'mem'}, job: hvd}}\n  - {tmp_path / 'ck'}\n"
+                      "every_n_steps: 5\nkeep_last: 2\n")
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    for d in (ref, ref / "log", run, run / "log"):
+        d.mkdir()
+    (tmp_path / "ref.yaml").write_text(config.read_text().replace("/ck", "/ck-ref").replace("job: hvd", "job: ref"))
+    done = _horovodrun("--ckpt-config", str(tmp_path / "ref.yaml"), "--sample-log", str(ref / "log"),
+                       "--out", str(ref / "out"))
+    out, _ = done.communicate(timeout=240)
+    assert done.returncode == 0 and "done at step 32" in out, out[-4000:]
+    assert not (tmp_path / "mem" / "ref").exists()  # the job ended: its memory released
+
+    job = _horovodrun("--ckpt-config", str(config), "--sample-log", str(run / "log"), "--out", str(run / "out"),
+                      "--step-delay", "0.1")
+    deadline = time.monotonic() + 180
+    while not (_steps_done(run / "log") >= 21 and 20 in _memory_steps(tmp_path / "mem", 0, 1)):
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()[0][-4000:]
+        time.sleep(0.05)
+    kill_job(job)
+    shutil.rmtree(tmp_path / "mem" / "hvd" / "node-1")
+    shutil.rmtree(tmp_path / "ck")
+    again = _horovodrun("--ckpt-config", str(config), "--sample-log", str(run / "log"), "--out", str(run / "out"))
+    out, _ = again.communicate(timeout=240)
+    assert again.returncode == 0 and "done at step 32" in out, out[-4000:]
+    resumed = int(out.split("resumed from step ")[1].split(",")[0])
+    assert resumed >= 20, out[-4000:]
+    for rank in (0, 1):
+        a = torch.load(ref / "out" / f"final-rank{rank}.pt", weights_only=False)
+        b = torch.load(run / "out" / f"final-rank{rank}.pt", weights_only=False)
+        assert_same(a, b)
