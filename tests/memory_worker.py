@@ -12,7 +12,13 @@ Modes:
   then ``wait(flush=True)`` unless the disk is held; write the counters, print ``saved``, then stay
   alive (the test SIGKILLs every rank: nothing is closed);
 * ``restore``: ``restore()``; write the step, the level, digests of the state and of this rank's local;
-  then ``close()``.
+  then ``close()``;
+* ``loop``: ``restore()`` (``restored <step> <level> <ok>``: ok when the state and this rank's local
+  are those of that step), then save every step from there until SIGKILLed, printing
+  ``committed <step>`` once ``wait()`` returned (this rank's part is in its node's memory) and
+  ``replica_failed <n>`` when that counter grows. With ``LOCKSTEP=1`` a barrier follows every step,
+  as training's collectives keep ranks within a step of each other; without, ranks go on when a
+  peer dies.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from worker_exit import leave  # noqa: E402
-from ckpt_engine import Checkpointer, TorchDistComm  # noqa: E402
+from ckpt_engine import Checkpointer, NoCheckpointError, TorchDistComm  # noqa: E402
 from ckpt_engine.testing import GatedStorage  # noqa: E402
 from dist_worker import digest, make_local, make_state  # noqa: E402
 
@@ -43,6 +49,28 @@ def levels(mem: str, disk: str) -> list:
             level2.gate.set()
         out.append({"path": level2, "keep_last": 3})
     return out
+
+
+def loop(ck: Checkpointer, rank: int) -> None:
+    try:
+        r = ck.restore()
+        ok = digest(r.state) == digest(make_state(r.step)) and digest(r.local) == digest(make_local(r.step, rank))
+        print(f"restored {r.step} {r.level} {ok}", flush=True)
+        step = r.step
+    except NoCheckpointError:
+        print("restored none", flush=True)
+        step = 0
+    failed = 0
+    while True:
+        step += 1
+        ck.save(make_state(step), step, make_local(step, rank))
+        ck.wait()
+        print(f"committed {step}", flush=True)
+        if os.environ.get("LOCKSTEP") == "1":
+            dist.barrier()
+        if ck.counters.get("replica_failed", 0) > failed:
+            failed = ck.counters["replica_failed"]
+            print(f"replica_failed {failed}", flush=True)
 
 
 def main() -> None:
@@ -64,6 +92,8 @@ def main() -> None:
             json.dump(result, f)
         print("saved", flush=True)
         time.sleep(600)
+    elif mode == "loop":
+        loop(ck, rank)
     elif mode == "restore":
         r = ck.restore()
         result.update(step=r.step, level=r.level, state=digest(r.state), local=digest(r.local),

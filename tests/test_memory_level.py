@@ -14,7 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from ckpt_engine import Checkpointer
+from ckpt_engine import Checkpointer, CheckpointWarning
 from ckpt_engine.config import ConfigError, LevelSpec, parse_levels
 from ckpt_engine.errors import CheckpointError
 from ckpt_engine.levels.memory import (NodeTable, alive_owners, check_room, claim, job_tag, node_footprint, node_key,
@@ -165,6 +165,16 @@ def test_memory_then_disk_in_one_process_and_close_releases_the_memory(tmp_path)
 NODES = [{"CKPT_NODE": str(r // 2), "LOCAL_WORLD_SIZE": "2"} for r in range(4)]
 
 
+def _kill(procs) -> None:
+    """SIGKILL every rank's process group (those already dead too), then reap them."""
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+
+
 def _save_then_kill(mem, disk, out, steps: int, env: dict) -> list[dict]:
     procs = start_ranks(4, ["save", str(mem), disk, str(out), str(steps)], env, worker=WORKER, rank_env=NODES)
     try:
@@ -174,9 +184,7 @@ def _save_then_kill(mem, disk, out, steps: int, env: dict) -> list[dict]:
                 seen.append(line)
             assert line == "saved", "\n".join(seen)
     finally:
-        for p in procs:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+        _kill(procs)
     return [json.load(open(out / f"rank-{r}.json")) for r in range(4)]
 
 
@@ -215,3 +223,158 @@ def test_without_replicas_a_lost_node_falls_back_to_the_disk(tmp_path):
     for rank, r in enumerate(restored):
         assert (r["step"], r["level"]) == (3, 1)  # memory cannot assemble it: the disk has it
         assert r["state"] == digest(make_state(3)) and r["local"] == digest(make_local(3, rank))
+
+
+# ---- a full tmpfs -------------------------------------------------------------------------------------
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A real 8 MiB tmpfs (needs root in this sandbox; skipped where mounting is not permitted)."""
+    where = tmp_path / "shm"
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(where)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+def test_a_full_tmpfs_is_a_counted_failure_training_goes_on_and_the_disk_keeps_its_checkpoints(tiny_tmpfs, tmp_path):
+    mem = {"kind": "memory", "path": str(tiny_tmpfs), "job": "j"}
+    ck = Checkpointer(levels=[mem, str(tmp_path / "disk")], keep_last=2, on_error="warn")
+    big = lambda v: {"w": torch.full((256, 1024), float(v))}  # noqa: E731 - 1 MiB
+    ck.save(big(1), 1)
+    ck.wait(flush=True)
+    tenant = tiny_tmpfs / "another-tenant"
+    with open(tenant, "wb") as f:  # someone else fills the node's memory
+        try:
+            while True:
+                f.write(b"\0" * (256 << 10))
+                f.flush()
+        except OSError:
+            pass
+    with pytest.warns(CheckpointWarning, match="No space left on device: the storage is full"):
+        ck.save(big(2), 2)
+        ck.wait()
+    assert ck.counters["failed"] == 1 and ck.counters["disk_full"] == 1
+    tenant.unlink()  # room again: the next checkpoint commits in memory and reaches the disk
+    ck.save(big(3), 3)
+    ck.wait(flush=True)
+    assert ck.steps() == [1, 3] and ck.counters["committed"] == 2
+    ck.close()
+    disk = Checkpointer(str(tmp_path / "disk"), readonly=True)
+    assert disk.steps() == [1, 3] and torch.equal(disk.load()["w"], big(3)["w"])
+    assert not (tiny_tmpfs / "j").exists()  # released at close: nothing left in the tmpfs
+
+
+# ---- faults: SIGKILL at any moment, a peer dying mid-run ---------------------------------------------
+def _lines_until(queues, done, timeout: float = 240) -> list[list[str]]:
+    """Read every rank's lines until ``done(rank, lines)`` holds for each; the lines read, by rank."""
+    got: list[list[str]] = [[] for _ in queues]
+    for rank, q in enumerate(queues):
+        while not done(rank, got[rank]):
+            line = q.get(timeout=timeout)
+            assert line != "<eof>", "\n".join(got[rank][-30:])
+            got[rank].append(line)
+    return got
+
+
+def _committed(lines: list[str]) -> int:
+    return max((int(x.split()[1]) for x in lines if x.startswith("committed ")), default=0)
+
+
+def _restored(lines: list[str]) -> tuple[int, int, bool] | None:
+    for x in lines:
+        if x.startswith("restored ") and x != "restored none":
+            _, step, level, ok = x.split()
+            return int(step), int(level), ok == "True"
+    return None
+
+
+@pytest.mark.slow
+def test_sigkill_at_any_moment_of_commit_replication_or_flush_loses_nothing_committed(tmp_path):
+    """Three incarnations of a 2 x 2 job saving every step (memory commit, replication and the
+    disk's flush all in flight), each SIGKILLed whole a few steps in: each restart resumes at or
+    after the newest step every rank had committed, with that step's state and per-rank parts; a
+    last clean incarnation leaves no memory behind."""
+    import random
+
+    mem, disk, out = tmp_path / "mem", str(tmp_path / "disk"), tmp_path / "out"
+    out.mkdir()
+    rng = random.Random(36)
+    floor = 0
+    for _ in range(3):
+        procs = start_ranks(4, ["loop", str(mem), disk, str(out)], {"LOCKSTEP": "1"}, worker=WORKER, rank_env=NODES)
+        try:
+            queues = [lines_of(p) for p in procs]
+            extra = rng.randint(2, 6)
+            first = _lines_until(queues, lambda r, ls: any(x.startswith("restored") for x in ls))
+            restored = [_restored(ls) for ls in first]
+            if floor:
+                assert len(set(restored)) == 1 and restored[0][2] and restored[0][0] >= floor, (restored, floor)
+            base = restored[0][0] if restored[0] else 0
+            got = _lines_until(queues, lambda r, ls: _committed(ls) >= base + extra)
+        finally:
+            _kill(procs)
+        floor = min(_committed(ls) for ls in got)  # every rank's part of it is in its node's memory
+    restored = _restore(mem, disk, out, {})
+    assert {r["step"] for r in restored} == {restored[0]["step"]} and restored[0]["step"] >= floor
+    for rank, r in enumerate(restored):
+        assert r["state"] == digest(make_state(r["step"])) and r["local"] == digest(make_local(r["step"], rank))
+    assert not (mem / "test").exists()  # the clean end released every node's memory
+
+
+@pytest.mark.slow
+def test_a_peer_dying_mid_run_is_a_counted_replication_failure_and_the_others_go_on(tmp_path):
+    mem, disk, out = tmp_path / "mem", str(tmp_path / "disk"), tmp_path / "out"
+    out.mkdir()
+    env = {"KEEP_MEM": "100"}  # no lockstep here: nothing retained away while the ranks drift apart
+    procs = start_ranks(4, ["loop", str(mem), disk, str(out)], env, worker=WORKER, rank_env=NODES)
+    try:
+        queues = [lines_of(p) for p in procs]
+        _lines_until(queues, lambda r, ls: _committed(ls) >= 3)
+        os.killpg(procs[3].pid, signal.SIGKILL)  # node 1's second rank dies; rank 1 replicates to it
+        procs[3].wait()
+        got = _lines_until(queues[:3], lambda r, ls: _committed(ls) >= 6 and (r != 1 or any(
+            x.startswith("replica_failed") for x in ls)))
+        assert _committed(got[1]) >= 6  # rank 1 went on saving after its peer died
+    finally:
+        _kill(procs)
+    restored = _restore(mem, disk, out, env)  # every node's memory is still there, rank 3's part stopped early
+    for rank, r in enumerate(restored):
+        assert r["step"] >= 3 and r["failures"] == []
+        assert r["state"] == digest(make_state(r["step"])) and r["local"] == digest(make_local(r["step"], rank))
+
+
+_ONE_JOB = """
+import sys, time, torch
+from ckpt_engine import Checkpointer
+ck = Checkpointer(levels=[{"kind": "memory", "path": sys.argv[1], "job": sys.argv[2]}, sys.argv[3]])
+ck.save({"w": torch.ones(1000)}, 1)
+ck.wait()
+print("saved", flush=True)
+time.sleep(600)
+"""
+
+
+def test_two_jobs_on_one_node_keep_their_own_memory_until_one_is_gone(tmp_path):
+    mem = tmp_path / "mem"
+    ours = [sys.executable, "-c", _ONE_JOB, str(mem)]
+    a = subprocess.Popen(ours + ["a", str(tmp_path / "disk-a")], stdout=subprocess.PIPE, text=True,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    try:
+        assert a.stdout.readline().strip() == "saved"
+        b = Checkpointer(levels=[{"kind": "memory", "path": str(mem), "job": "b"}, str(tmp_path / "disk-b")])
+        b.save({"w": torch.zeros(1000)}, 1)
+        b.wait()
+        assert sorted(os.listdir(mem)) == ["a", "b"]  # job a runs: its memory is not b's to sweep
+        assert b.load()["w"].sum() == 0
+    finally:
+        a.kill()
+        a.wait()
+    c = Checkpointer(levels=[{"kind": "memory", "path": str(mem), "job": "c"}, str(tmp_path / "disk-c")])
+    assert sorted(os.listdir(mem)) == ["b", "c"]  # a died: its memory went at the next start on the node
+    b.close()
+    c.close()
+    assert os.listdir(mem) == []  # released at close: each job's disk level holds its newest

@@ -176,7 +176,7 @@ class Replicator:
     def _round(self, dirname: str, ok: bool) -> None:
         """Send this rank's part of ``dirname`` to every peer and take the parts sent to it."""
         for k, peer in enumerate(self.peers):
-            sending = _Outgoing(self.node.child(rank_dir(self.rank)), dirname, self.rank) if ok else None
+            sending = self._outgoing(dirname) if ok else None
             try:
                 works = self._send(peer, k, sending)
                 errors = []
@@ -193,6 +193,15 @@ class Replicator:
             if errors:
                 self.tally.count("replica_failed", len(errors))
                 log.warning("replica of %s not kept on rank %d: %s", dirname, self.rank, errors[0])
+
+    def _outgoing(self, dirname: str) -> "_Outgoing | None":
+        """This rank's part of ``dirname``, or ``None`` when retention removed it meanwhile (the
+        replicator is behind the saves): the round then says "nothing" and the protocol stays in step."""
+        try:
+            return _Outgoing(self.node.child(rank_dir(self.rank)), dirname, self.rank)
+        except (CheckpointError, OSError) as e:
+            log.info("rank %d: %s no longer in memory, not replicated (%s)", self.rank, dirname, e)
+            return None
 
     def _send(self, peer: int, k: int, part: "_Outgoing | None") -> list[Any]:
         tag = 3 * k
