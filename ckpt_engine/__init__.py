@@ -7,12 +7,12 @@ are thin adapters over :class:`Checkpointer`.
 from .checkpointer import Checkpointer, SaveHandle
 from .comm import Comm, LocalComm, TorchDistComm
 from .errors import (CheckpointError, CheckpointWarning, CommitTimeoutError, CorruptionError, DiskFullError, FormatError,
-                     MismatchError, NoCheckpointError, StorageError, UnsupportedValueError)
+                     InsufficientMemoryError, MismatchError, NoCheckpointError, StorageError, UnsupportedValueError)
 from .persist import SaveRecord
 
 __all__ = [
     "Checkpointer", "SaveHandle", "SaveRecord", "Comm", "LocalComm", "TorchDistComm",
     "CheckpointError", "CheckpointWarning", "CommitTimeoutError", "CorruptionError", "FormatError", "NoCheckpointError",
-    "StorageError", "DiskFullError", "UnsupportedValueError", "MismatchError",
+    "StorageError", "DiskFullError", "UnsupportedValueError", "MismatchError", "InsufficientMemoryError",
 ]
 __version__ = "0.1.0"

@@ -328,11 +328,12 @@ class Checkpointer:
         """This rank's ``local`` from the checkpoint of the last ``load()`` (or the newest).
 
         With a different world size, rank ``r`` gets writer ``r``'s local when ``r`` is below
-        the writers' world size and ``None`` otherwise; ``rank=`` reads any writer's.
+        the writers' world size and ``None`` otherwise; ``rank=`` reads any writer's (``0..world_size - 1``
+        of the checkpoint, else a ``ValueError``).
         """
         if self._loaded is None:  # before any load(): the newest this process sees, no communication
             self._loaded = self._dest.open_newest()
-        return self._loaded.local(self.rank if rank is None else rank)
+        return self._loaded.local(self.rank) if rank is None else self._loaded.writer_local(rank)
 
     def restore(self, step: int | None = None, *, into: Any = None, fallback: bool = True) -> Restored:
         """Every rank, together (a collective): the checkpoint to resume from, and this rank's parts.

@@ -186,7 +186,12 @@ def retain(storage: Storage, committed_dir: str, keep_last: int | None, attempt_
     * older attempts of the same step (the new one replaces them);
     * this job's attempts older than it that never committed (rank 0 commits in order, so they
       never will: a rank skipped or failed them);
-    * committed checkpoints beyond the ``keep_last`` highest steps (never the newest).
+    * committed checkpoints beyond ``keep_last``: ``committed_dir`` itself (the newest commit, never
+      removed) and the ``keep_last - 1`` highest steps of the others, whichever incarnation
+      committed them. Counting ``committed_dir`` in whatever its step keeps the bound after a
+      restart whose steps start below the earlier incarnation's (a job started afresh in the same
+      root, or resumed from an older checkpoint): ranking it among the others kept ``keep_last``
+      older checkpoints beside it, ``keep_last + 1`` in all, until its steps passed theirs.
 
     Directories named in ``protect`` stay whatever the rules say (multi-level: the checkpoint a
     flush still reads). ``marker`` is the file whose presence is the commit (the manifest, or a
@@ -207,11 +212,9 @@ def retain(storage: Storage, committed_dir: str, keep_last: int | None, attempt_
         elif has_manifest:
             kept_steps.append((other_step, name))
     if keep_last is not None:
-        newer = sorted(kept_steps + [(step, committed_dir)], reverse=True)
-        for _, name in newer[keep_last:]:
-            if name != committed_dir:
-                remove_checkpoint(storage, name, marker)
-                removed.append(name)
+        for _, name in sorted(kept_steps, reverse=True)[keep_last - 1:]:
+            remove_checkpoint(storage, name, marker)
+            removed.append(name)
     return removed
 
 

@@ -28,6 +28,12 @@ class CorruptionError(CheckpointError):
     """Bytes read back do not match their checksum, or a file is missing or truncated."""
 
 
+class InsufficientMemoryError(CheckpointError, MemoryError):
+    """A read would allocate more memory than this process can have (headroom.py): refused before
+    allocating. The checkpoint may be genuine (``load(into=...)`` fills tensors already held) or
+    claim sizes it never wrote."""
+
+
 class StorageError(CheckpointError, OSError):
     """The storage backend failed (write, read, rename, listing)."""
 

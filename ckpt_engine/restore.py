@@ -12,7 +12,9 @@ the others' until nothing is left (read_shares.py).
 
 What is read is a list of :class:`Target`: the whole of every tensor (``load()``), or the
 regions of the tensors of a state given with ``load(into=...)`` (restore_into.py): then only the
-pieces that meet a target are read, each verified whole.
+pieces that meet a target are read, each verified whole. New tensors are allocated for what the
+manifest claims, so their bytes are checked against this process's memory first (headroom.py:
+:func:`whole_targets`, :func:`check_room`): a claim beyond it is refused before allocating.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import xxhash
 
-from . import hugepages
+from . import headroom, hugepages
 from .format.catalog import parse_dir
 from .read_shares import Shares
 from .errors import CorruptionError, FormatError, StorageError
@@ -179,10 +181,40 @@ class Places:
                     t.out[relative(common, t.box)].copy_(src[relative(common, b)])
 
 
-def whole_targets(table: Sequence[TensorEntry], which: Sequence[int] | None = None) -> list[Target]:
-    """A new CPU tensor for every tensor of ``table`` (or those ``which`` names), whole."""
-    return [Target(i, full_box(table[i].shape), _empty(table[i])) for i in (range(len(table)) if which is None
-                                                                           else which)]
+def whole_targets(table: Sequence[TensorEntry], which: Sequence[int] | None = None, *,
+                  where: str = "the checkpoint", what: str = "reading it", prefix: str = "") -> list[Target]:
+    """A new CPU tensor for every tensor of ``table`` (or those ``which`` names), whole.
+
+    Refused before any is allocated, as :class:`InsufficientMemoryError` naming ``where`` (the file
+    that claims them), the largest tensor (``prefix`` before its name), the bytes needed and the
+    bytes available, when together they are more than this process can have (headroom.py): a
+    table is what the manifest claims, not what the data file holds. An allocation the allocator
+    refuses anyway is the same error.
+    """
+    chosen = range(len(table)) if which is None else which
+    claims = [(f"{prefix}{tensor_name(table[i], i)}", table[i].nbytes) for i in chosen]
+    headroom.refuse_beyond(claims, where, what)
+    try:
+        return [Target(i, full_box(table[i].shape), _empty(table[i])) for i in chosen]
+    except (RuntimeError, MemoryError) as e:  # torch's allocation failure is a RuntimeError
+        raise headroom.too_large(claims, where, what, None) from e
+
+
+def check_room(storage: Storage, ck: Opened, *, state: bool = True, local_ranks: Sequence[int] = ()) -> None:
+    """Refuse (:class:`InsufficientMemoryError`) before anything is allocated when what one call
+    reads whole, the replicated state (``state``) and the ``local`` tensors of the writers
+    ``local_ranks`` together, is more than this process can have (headroom.py).
+
+    Called first by the calls that read several of them (``load()``: the state and two writers'
+    locals; ``ckpt export``: the state and one local), since each :func:`whole_targets` checks only
+    its own tensors.
+    """
+    m = ck.manifest
+    claims = [(tensor_name(t, i), t.nbytes) for i, t in enumerate(m.tensors)] if state else []
+    for r in local_ranks:
+        claims += [(f"local {tensor_name(t, i)} of writer {r}", t.nbytes)
+                   for i, t in enumerate(ck.indexes[r].local_tensors)]
+    headroom.refuse_beyond(claims, storage.describe(f"{ck.dirname}/{MANIFEST_NAME}"), f"reading step {m.step}")
 
 
 def read_state(storage: Storage, ck: Opened, threads: int = 4, progress: Progress | None = None,
@@ -193,7 +225,7 @@ def read_state(storage: Storage, ck: Opened, threads: int = 4, progress: Progres
     if into is not None:
         from .restore_into import fill
         return fill(into, ck.manifest, where, lambda targets: read_targets(storage, ck, targets, threads, progress))
-    targets = whole_targets(ck.manifest.tensors)
+    targets = whole_targets(ck.manifest.tensors, where=where, what=f"reading step {ck.manifest.step}")
     read_targets(storage, ck, targets, threads, progress)
     return decode(ck.manifest.state, lambda i: targets[i].out, count=len(targets), where=where)
 
@@ -211,7 +243,6 @@ def read_local(storage: Storage, ck: Opened, rank: int, progress: Progress | Non
     """What writer ``rank`` saved as its ``local`` state."""
     idx = ck.indexes[rank]
     metas = idx.local_tensors
-    targets = whole_targets(metas)
     jobs = [(rank, e) for e in idx.entries if e.local]
     covered = [0] * len(metas)
     for _, e in jobs:
@@ -220,6 +251,8 @@ def read_local(storage: Storage, ck: Opened, rank: int, progress: Progress | Non
         covered[e.tensor] = 1
     if sum(covered) != len(metas):
         raise FormatError(f"{storage.describe(f'{ck.dirname}/{index_file(rank)}')}: local tensors missing")
+    targets = whole_targets(metas, where=storage.describe(f"{ck.dirname}/{index_file(rank)}"), prefix="local ",
+                            what=f"reading writer {rank}'s local state of step {ck.manifest.step}")
     names = [f"local {tensor_name(t, i)}" for i, t in enumerate(metas)]
     read_entries(storage, ck, jobs, Places(metas, targets), names, 2, progress)
     return decode(idx.local, lambda i: targets[i].out, count=len(targets),
@@ -247,10 +280,11 @@ def tensor_reader(storage: Storage, ck: Opened, threads: int = 4,
             if not e.local:
                 jobs[e.tensor].append((idx.rank, e))
     ends = _extents_by_rank(ck)
+    where = storage.describe(f"{ck.dirname}/{MANIFEST_NAME}")
 
     def read(i: int) -> torch.Tensor:
         meta = ck.manifest.tensors[i]
-        target = Target(i, full_box(meta.shape), _empty(meta))
+        (target,) = whole_targets(ck.manifest.tensors, [i], where=where, what=f"reading step {ck.manifest.step}")
         read_entries(storage, ck, jobs[i], Places(ck.manifest.tensors, [target]), {i: tensor_name(meta, i)},
                       threads, progress, ends)
         return target.out
@@ -371,24 +405,37 @@ def read_entries(storage: Storage, ck: Opened, jobs: Sequence[tuple[int, IndexEn
     def read_run(rank: int, reader: Reader, run: list[IndexEntry]) -> None:
         """``run`` (each piece into its place, its padding aside) in requests of the reader's
         :attr:`~ckpt_engine.storage.Reader.verify_step`, each piece's checksum updated after every
-        request (verified while reading), then each checked."""
+        request (verified while reading) and checked as soon as the request with its last byte
+        lands: a mismatch stops the run there, not after its other pieces (one checksum per piece,
+        so a piece is known bad only once it is read whole)."""
         placed = [(e, *places.destination(e), memoryview(bytearray(ends[rank][e] - e.offset - e.nbytes)))
                   for e in run]
         bufs = [(k, b) for k, (_, dest, _, pad) in enumerate(placed) for b in (dest, pad) if len(b)]
         digests = [xxhash.xxh3_64() for _ in placed]
-        requests = [[(digests[bufs[j][0]].update, bufs[j][1][lo:hi]) for j, lo, hi in request]
-                    for request in steps([len(b) for _, b in bufs], reader.verify_step)]
+        plan = steps([len(b) for _, b in bufs], reader.verify_step)
+        requests = [[(digests[bufs[j][0]].update, bufs[j][1][lo:hi]) for j, lo, hi in request] for request in plan]
+        last = {bufs[j][0]: i for i, request in enumerate(plan) for j, _, _ in request}  # piece -> its last request
+        complete: list[list[int]] = [[] for _ in plan]
+        for k, i in last.items():
+            complete[i].append(k)
+
+        def check(k: int) -> None:
+            e = placed[k][0]
+            if digests[k].hexdigest() != e.xxh3:
+                raise CorruptionError(
+                    f"{storage.describe(f'{dirname}/{data_file(rank)}')}: checksum mismatch in tensor "
+                    f"{names[e.tensor]} ({_elements(e)} at byte {e.offset})")
 
         def landed(i: int) -> None:
             for update, view in requests[i]:
                 update(view)
+            for k in complete[i]:
+                check(k)
 
         reader.read_steps(run[0].offset, [[v for _, v in r] for r in requests], landed)
-        for (e, _, temp, _), digest in zip(placed, digests):
-            if digest.hexdigest() != e.xxh3:
-                raise CorruptionError(
-                    f"{storage.describe(f'{dirname}/{data_file(rank)}')}: checksum mismatch in tensor "
-                    f"{names[e.tensor]} ({_elements(e)} at byte {e.offset})")
+        for k, (e, _, temp, _) in enumerate(placed):
+            if k not in last:
+                check(k)  # no bytes at all: never in a request
             if temp is not None:
                 places.scatter(e, temp)
                 if keep is not None:

@@ -28,7 +28,7 @@ from .format.catalog import committed, manifest_dirs
 from .format.manifest import Manifest
 from .progress import Bar
 from .progress import wanted as progress_wanted
-from .restore import Opened, Progress, open_checkpoint, read_local, read_state
+from .restore import Opened, Progress, check_room, open_checkpoint, read_local, read_state
 from .restore_exchange import Exchange, Pending, node_name
 from .storage import Storage
 
@@ -79,6 +79,17 @@ class Loaded:
                                   "at hand (load that step from a shared level to read any)")
         return read_local(self.storage, self.opened, rank)
 
+    def writer_local(self, rank: object) -> Any:
+        """Writer ``rank``'s ``local`` for a caller that names the writer (``load_local(rank=...)``):
+        unlike :meth:`local`, which answers ``None`` for a rank beyond the writers (a rank of a
+        larger job), a ``rank`` that is not an int in ``0..world_size - 1`` of the checkpoint is a
+        :class:`ValueError` naming it, the valid range and the checkpoint."""
+        writers = self.manifest.world_size
+        if type(rank) is not int or not 0 <= rank < writers:
+            raise ValueError(f"rank must be an int in 0..{writers - 1}, the writer ranks of "
+                             f"{self.storage.describe(self.opened.dirname)} (saved by {writers} ranks), got {rank!r}")
+        return self.local(rank)
+
 
 def local_ranks(rank: int, writers: int) -> list[int]:
     """The writers whose ``local`` rank ``rank`` uses: its own (when it had a writer) and writer 0."""
@@ -89,7 +100,10 @@ def read_for_rank(storage: Storage, ck: Opened, rank: int, threads: int,
                   progress: Progress | None = None, into: Any = None) -> tuple[Any, dict[int, Any]]:
     """The replicated state of ``ck`` (or ``into`` filled from it: restore_into.py) and the ``local``
     of every writer in :func:`local_ranks`, each verified; raises :class:`CorruptionError` or
-    :class:`FormatError` naming the file otherwise."""
+    :class:`FormatError` naming the file otherwise, and :class:`InsufficientMemoryError` before
+    allocating when the whole tensors it reads (the state unless ``into``, and those locals) add
+    up to more than this process can have."""
+    check_room(storage, ck, state=into is None, local_ranks=local_ranks(rank, ck.manifest.world_size))
     state = read_state(storage, ck, threads, progress, into)
     return state, read_locals(storage, ck, rank)
 
@@ -170,6 +184,7 @@ def _read(storage: Storage, dirname: str, rank: int, threads: int, show: bool, i
     with Bar(total, f"load step {opened.manifest.step}", show) as bar:
         update = bar.update if show else None
         if exchange is not None and exchange.applies(into):
+            check_room(storage, opened, local_ranks=local_ranks(rank, opened.manifest.world_size))
             pending = exchange.start(storage, opened, threads, update)
             return None, Loaded(opened, storage, locals=read_locals(storage, opened, rank)), pending
         state, locals_ = read_for_rank(storage, opened, rank, threads, update, into)

@@ -38,7 +38,7 @@ from typing import Any, Literal
 import torch
 
 from .comm import Comm
-from .format.manifest import IndexEntry
+from .format.manifest import MANIFEST_NAME, IndexEntry
 from .restore import Opened, Places, Progress, Target, read_entries, split_by_bytes, tensor_name, whole_targets
 from .storage import Storage
 from .values import decode
@@ -112,7 +112,8 @@ class Exchange:
         """This rank's part, alone (no communication, so that a failure here cannot leave the
         other ranks in a collective): the small pieces and its own share of the large ones, read
         and verified into new tensors. :meth:`finish` follows once every rank reported success."""
-        targets = whole_targets(ck.manifest.tensors)
+        targets = whole_targets(ck.manifest.tensors, where=storage.describe(f"{ck.dirname}/{MANIFEST_NAME}"),
+                                what=f"reading step {ck.manifest.step}")
         jobs = sorted(((idx.rank, e) for idx in ck.indexes for e in idx.entries if not e.local),
                       key=lambda j: (j[0], j[1].offset))
         large = [j for j in jobs if j[1].nbytes >= MIN_PIECE]

@@ -54,7 +54,8 @@ def fill(into: Any, manifest: Manifest, where: str, read: Callable[[Sequence[Tar
     wanted: set[int] = set()
     changes: list[tuple[Any, Any, Any]] = []
     merged = _merge(into, stored, "state", manifest, targets, wanted, changes)
-    whole = {t.tensor: t for t in whole_targets(manifest.tensors, sorted(wanted))}
+    whole = {t.tensor: t for t in whole_targets(manifest.tensors, sorted(wanted), where=where,
+                                                what=f"reading step {manifest.step}")}
     read(targets + list(whole.values()))
     for container, key, value in changes:
         container[key] = _resolve(value, whole)

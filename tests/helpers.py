@@ -68,3 +68,49 @@ def flip_local(root: str, dirname: str, rank: int) -> None:
     raw = bytearray(open(path, "rb").read())
     raw[offset] ^= 0x40
     open(path, "wb").write(bytes(raw))
+
+
+def claim_bytes(root: str, dirname: str, tensor: int, nbytes: int) -> str:
+    """Make checkpoint ``dirname`` (written by one rank) claim ``nbytes`` for replicated tensor
+    ``tensor`` (now 1-D), as a hostile writer can: its piece grows to ``nbytes`` in a data file
+    rebuilt sparse (the other pieces copied to their new offsets, the rest a hole: no disk used),
+    its index file and manifest rewritten with the new sizes and re-sealed. Only the grown piece's
+    checksum is wrong. Returns the tensor's name as errors give it."""
+    import json
+    import os
+
+    import xxhash
+
+    from ckpt_engine.format.manifest import ALIGN, seal, unseal
+
+    folder = os.path.join(root, dirname)
+    mpath, ipath, dpath = (os.path.join(folder, n)
+                           for n in ("manifest.json", "rank-00000.index.json", "rank-00000.bin"))
+    manifest = json.loads(unseal(open(mpath, "rb").read(), mpath))
+    index = json.loads(open(ipath, "rb").read())
+    old = open(dpath, "rb").read()
+    meta = manifest["tensors"][tensor]
+    itemsize = torch.empty(0, dtype=getattr(torch, meta[0])).element_size()
+    (mine,) = [e for e in index["entries"] if e[0] == 0 and e[1] == tensor]
+    meta[1] = [nbytes // itemsize]
+    moved = []
+    position = 0
+    for e in sorted(index["entries"], key=lambda e: e[4]):
+        extent = -(-e[5] // ALIGN) * ALIGN
+        moved.append((position, old[e[4]:e[4] + extent]))
+        if e is mine:
+            e[3], e[5], extent = nbytes // itemsize, nbytes, -(-nbytes // ALIGN) * ALIGN
+        e[4] = position
+        position += extent
+    index["data_bytes"] = position
+    with open(dpath, "wb") as f:
+        f.truncate(position)
+        for at, raw in moved:
+            f.seek(at)
+            f.write(raw)
+    raw_index = json.dumps(index).encode()
+    open(ipath, "wb").write(raw_index)
+    manifest["ranks"][0].update(data_bytes=position, index_bytes=len(raw_index),
+                                index_xxh3=xxhash.xxh3_64_hexdigest(raw_index))
+    open(mpath, "wb").write(seal(json.dumps(manifest).encode()))
+    return f"'{meta[3]}'"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 
@@ -133,6 +134,20 @@ def test_keep_last_deletes_older_only_after_a_newer_commit(tmp_path):
             ck.wait(retention=True)
             assert ck.steps() == [max(1, step - 1), step][-min(step, 2):]
         assert len(attempt_dirs(ck.storage)) == 2
+
+
+@pytest.mark.parametrize("keep_last, left", [(2, [1, 11]), (1, [1]), (3, [1, 10, 11])])
+def test_keep_last_counts_a_restart_s_commit_below_the_earlier_steps(keep_last, left, tmp_path):
+    """A job started afresh (or resumed from an older checkpoint) commits step 1 beside steps 10 and
+    11 of its earlier incarnation: its commit counts in ``keep_last`` with the highest others (it
+    kept ``keep_last`` of them beside it: 3 checkpoints for 2)."""
+    with Checkpointer(str(tmp_path)) as ck:
+        for step in (9, 10, 11):
+            ck.save({"s": torch.tensor(step)}, step)
+    with Checkpointer(str(tmp_path), keep_last=keep_last) as ck:
+        ck.save({"s": torch.tensor(1)}, 1)
+        ck.wait(retention=True)
+        assert ck.steps() == left and len(attempt_dirs(ck.storage)) == len(left)
 
 
 def test_saving_an_existing_step_replaces_it(tmp_path):
@@ -302,3 +317,30 @@ def test_loaded_tensors_are_freed_as_soon_as_the_caller_drops_them(tmp_path, how
         finally:
             gc.enable()
     assert not any(alive), alive
+
+
+@pytest.mark.parametrize("rank", [-1, 2, 7, 1.0, "0", True, None])
+def test_load_local_of_a_rank_the_checkpoint_lacks_is_a_bad_argument(rank, tmp_path):
+    """``load_local(rank=...)`` names a writer: anything but an int in 0..world_size-1 of the
+    checkpoint is a ValueError naming the value and that range (it was a StorageError about
+    ``rank--0001.bin`` for -1, and ``None`` for a rank beyond the writers)."""
+    from ckpt_engine.testing import SequentialComm
+
+    cks = [Checkpointer(str(tmp_path), comm=comm) for comm in SequentialComm.group(2)]
+    for r, ck in enumerate(cks):
+        ck.save({"w": torch.ones(4)}, 1, {"rank": r})
+    for ck in cks:
+        ck.wait()
+    for ck in reversed(cks):
+        ck.close()
+    reader = Checkpointer(str(tmp_path), readonly=True)
+    if rank is None:  # this process's own rank (0)
+        assert reader.load_local(rank) == {"rank": 0}
+        return
+    with pytest.raises(ValueError, match=rf"rank must be an int in 0\.\.1, .*{str(tmp_path)}.* \(saved by 2 ranks\), "
+                                         rf"got {re.escape(repr(rank))}$"):
+        reader.load_local(rank=rank)
+    reader.load()
+    with pytest.raises(ValueError, match=r"0\.\.1"):
+        reader.load_local(rank=rank)
+    assert [reader.load_local(rank=r) for r in (0, 1)] == [{"rank": 0}, {"rank": 1}]

@@ -35,7 +35,7 @@ import torch
 
 from ..errors import CheckpointError, StorageError
 from ..progress import Bar
-from ..restore import Opened, read_local, read_state
+from ..restore import Opened, check_room, read_local, read_state
 from ..storage import Storage
 from .common import OK, Parents, open_newest, open_storage, print_json, storage_options, wants_bar
 from .table import human
@@ -162,7 +162,9 @@ def export(storage: Storage, ck: Opened, out: str, *, fmt: str = "torch", flat: 
 
     ``local_rank``: also include that writer rank's ``local`` values. Raises
     :class:`CheckpointError` for a bad format or rank, :class:`CorruptionError` when a checksum
-    fails (nothing is written then), :class:`StorageError` when the output cannot be written.
+    fails (nothing is written then), :class:`StorageError` when the output cannot be written,
+    :class:`InsufficientMemoryError` before reading when the state (and that ``local``) would not
+    fit in this process's memory.
     """
     if fmt not in FORMATS:
         raise CheckpointError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -171,6 +173,7 @@ def export(storage: Storage, ck: Opened, out: str, *, fmt: str = "torch", flat: 
         raise CheckpointError(f"--local-rank {local_rank}: the checkpoint of step {m.step} has ranks "
                               f"0..{m.world_size - 1}")
     save_safetensors = _safetensors_save() if fmt == "safetensors" else None
+    check_room(storage, ck, local_ranks=() if local_rank is None else (local_rank,))
     total = sum(e.nbytes for idx in ck.indexes for e in idx.entries
                 if not e.local or (local_rank is not None and idx.rank == local_rank))
     with Bar(total, "export", progress) as bar:

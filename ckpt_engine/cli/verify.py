@@ -1,7 +1,8 @@
 """``ckpt verify``: read every byte of one checkpoint (the newest, ``--step N``, or ``--all``) and check every checksum.
 
 Exit 1 when any checkpoint fails (a checksum mismatch, a missing or truncated file, a malformed
-manifest), each failure on stderr naming the file.
+manifest, tensors claimed larger than this process's memory: refused before allocating, so it is
+not verified), each failure on stderr naming the file.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import sys
 from typing import Any
 
 from .. import progress
-from ..errors import CorruptionError, FormatError, NoCheckpointError
+from ..errors import CorruptionError, FormatError, InsufficientMemoryError, NoCheckpointError
 from ..format import catalog
 from ..restore import open_checkpoint, verify
 from ..storage import Storage
@@ -50,7 +51,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def verify_one(storage: Storage, dirname: str, bar: bool) -> dict[str, Any]:
     """Verify the checkpoint directory ``dirname``: its row (``ok``, ``error`` and what the manifest says).
 
-    A corrupt or malformed checkpoint is a row with ``ok`` false; storage errors propagate.
+    A corrupt or malformed checkpoint, or one whose tensors would not fit in memory (not verified:
+    refused before allocating), is a row with ``ok`` false; storage errors propagate.
     """
     row: dict[str, Any] = {"dir": dirname, "step": catalog.parse_dir(dirname)[0],  # type: ignore[index]
                            "world_size": None, "tensors": None, "bytes": None}
@@ -61,7 +63,7 @@ def verify_one(storage: Storage, dirname: str, bar: bool) -> dict[str, Any]:
         total = sum(e.nbytes for idx in opened.indexes for e in idx.entries)
         with progress.Bar(total, f"verify step {m.step}", bar) as b:
             verify(storage, opened, progress=b.update)
-    except (CorruptionError, FormatError) as e:
+    except (CorruptionError, FormatError, InsufficientMemoryError) as e:
         return {**row, "ok": False, "error": str(e)}
     return {**row, "ok": True, "error": None}
 
