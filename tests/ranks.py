@@ -118,7 +118,7 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def kill_job(proc: subprocess.Popen) -> None:
+def kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL the launcher and every descendant, each by pid (collected before any dies, so
     reparenting cannot hide one), and the process groups they lead."""
     pids = [proc.pid, *descendants(proc.pid)]

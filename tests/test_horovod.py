@@ -25,7 +25,7 @@ from ckpt_engine.config import ConfigError
 from ckpt_engine.training.resumable import InPlaceResumable, make_resumable
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from helpers import assert_same, assert_same_samples_once_per_epoch
-from ranks import descendants, kill_job
+from ranks import descendants, kill_tree
 
 try:
     importlib.import_module("horovod.torch")  # installed and built against this torch
@@ -75,7 +75,7 @@ def finish(proc: subprocess.Popen, timeout: float = 150, expect_rc: int | None =
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        kill_job(proc)
+        kill_tree(proc)
         out, _ = proc.communicate()
         pytest.fail(f"job did not finish in {timeout} s:\n{out[-4000:]}")
     if expect_rc is not None:
@@ -107,7 +107,7 @@ def wait_until(cond, proc: subprocess.Popen, timeout: float = 120) -> None:
         if proc.poll() is not None:
             pytest.fail(f"job ended before the condition held:\n{proc.communicate()[0][-4000:]}")
         if time.monotonic() > deadline:
-            kill_job(proc)
+            kill_tree(proc)
             pytest.fail("condition not reached in time")
         time.sleep(0.05)
 
@@ -276,7 +276,7 @@ def test_sigkill_of_the_whole_job_then_horovodrun_again_is_bitwise_exact(uninter
     # Mid-epoch 2 (steps 17..24), after the checkpoints of steps 15 and 20 had the time to commit.
     wait_until(lambda: max(steps_logged(tmp_path / "log"), default=0) >= 21 and 20 in committed_steps(tmp_path / "ck"),
                job)
-    kill_job(job)
+    kill_tree(job)
     killed_at = max(steps_logged(tmp_path / "log"))
     assert killed_at < STEPS_PER_EPOCH * EPOCHS and not (tmp_path / "out").exists()
     resumed_from = max(committed_steps(tmp_path / "ck"))
@@ -383,7 +383,7 @@ def test_elastic_job_commits_durably_and_resumes_after_a_restart(tmp_path):
 
     job = launch(2, WORKER, *args, "--out", str(tmp_path / "a"), "--step-delay", "0.2", elastic_dir=tmp_path)
     wait_until(lambda: committed_steps(tmp_path / "ck") and max(committed_steps(tmp_path / "ck")) >= 6, job)
-    kill_job(job)
+    kill_tree(job)
     latest = max(committed_steps(tmp_path / "ck"))
     durable, _ = read_checkpoint(tmp_path / "ck", latest)
 
@@ -497,7 +497,7 @@ def test_epochs_counted_from_one_resume_at_the_same_epoch_number_bitwise_exact(t
     killed = launch(2, EXAMPLE, *args, "--step-delay", "0.1")
     # Mid epoch 2 (steps 9..16), after the checkpoint of step 10 committed.
     wait_until(lambda: max(steps_logged(got / "log"), default=0) >= 12 and 10 in committed_steps(got / "ck"), killed)
-    kill_job(killed)
+    kill_tree(killed)
     resumed_from = max(committed_steps(got / "ck"))
     assert resumed_from % STEPS_PER_EPOCH != 0, "the test wants a mid-epoch resume"
 

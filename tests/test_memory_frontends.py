@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from helpers import assert_same  # noqa: E402
-from ranks import kill_job, start_ranks  # noqa: E402
+from ranks import kill_tree, start_ranks  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 LIGHTNING_WORKER = os.path.join(os.path.dirname(__file__), "lightning_worker.py")
@@ -152,7 +152,7 @@ def test_horovod_hook_resumes_a_lost_node_and_a_lost_disk_from_the_other_nodes_m
     while not (_steps_done(run / "log") >= 21 and 20 in _memory_steps(tmp_path / "mem", 0, 1)):
         assert job.poll() is None and time.monotonic() < deadline, job.communicate()[0][-4000:]
         time.sleep(0.05)
-    kill_job(job)
+    kill_tree(job)
     shutil.rmtree(tmp_path / "mem" / "hvd" / "node-1")
     shutil.rmtree(tmp_path / "ck")
     again = _horovodrun("--ckpt-config", str(config), "--sample-log", str(run / "log"), "--out", str(run / "out"))

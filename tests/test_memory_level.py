@@ -23,7 +23,7 @@ from ckpt_engine.levels.open import assemblable
 
 sys.path.insert(0, os.path.dirname(__file__))
 from dist_worker import digest, make_local, make_state  # noqa: E402
-from ranks import lines_of, start_ranks  # noqa: E402
+from ranks import kill_job, lines_of, start_ranks  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(__file__), "memory_worker.py")
 
@@ -93,6 +93,16 @@ def test_a_checkpoint_is_assembled_from_whichever_rank_holds_each_part():
     assert assemblable(whole, 4) == [(5, "step-5-a", (0, 1, 2, 3))]  # each its own
     assert assemblable([{"0": ck}, {"0": ck}, {}, {}], 4) == []  # writers 1-3 nowhere
     assert assemblable(whole, 2) == []  # written by another world size
+
+
+def test_a_rank_whose_node_holds_every_part_reads_it_all_itself_else_the_ranks_exchange():
+    from ckpt_engine.levels.restore import candidates
+
+    ck = [(5, "step-5-a", 2)]
+    both = {"0": ck, "1": ck}  # 2 nodes x 1 rank, one replica each: each node holds both parts
+    assert [c.whole for c in candidates({}, [both, both], 2)] == [True]
+    lost = [both, {}]  # node 1 replaced by an empty one: rank 1 needs rank 0's bytes
+    assert [(c.whole, c.readers) for c in candidates({}, lost, 2)] == [(False, (0, 0))]
 
 
 # ---- ownership, sweeping, room ----------------------------------------------------------------------
@@ -165,16 +175,6 @@ def test_memory_then_disk_in_one_process_and_close_releases_the_memory(tmp_path)
 NODES = [{"CKPT_NODE": str(r // 2), "LOCAL_WORLD_SIZE": "2"} for r in range(4)]
 
 
-def _kill(procs) -> None:
-    """SIGKILL every rank's process group (those already dead too), then reap them."""
-    for p in procs:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait()
-
-
 def _save_then_kill(mem, disk, out, steps: int, env: dict) -> list[dict]:
     procs = start_ranks(4, ["save", str(mem), disk, str(out), str(steps)], env, worker=WORKER, rank_env=NODES)
     try:
@@ -184,7 +184,7 @@ def _save_then_kill(mem, disk, out, steps: int, env: dict) -> list[dict]:
                 seen.append(line)
             assert line == "saved", "\n".join(seen)
     finally:
-        _kill(procs)
+        kill_job(procs)
     return [json.load(open(out / f"rank-{r}.json")) for r in range(4)]
 
 
@@ -316,7 +316,7 @@ def test_sigkill_at_any_moment_of_commit_replication_or_flush_loses_nothing_comm
             base = restored[0][0] if restored[0] else 0
             got = _lines_until(queues, lambda r, ls: _committed(ls) >= base + extra)
         finally:
-            _kill(procs)
+            kill_job(procs)
         floor = min(_committed(ls) for ls in got)  # every rank's part of it is in its node's memory
     restored = _restore(mem, disk, out, {})
     assert {r["step"] for r in restored} == {restored[0]["step"]} and restored[0]["step"] >= floor
@@ -340,7 +340,7 @@ def test_a_peer_dying_mid_run_is_a_counted_replication_failure_and_the_others_go
             x.startswith("replica_failed") for x in ls)))
         assert _committed(got[1]) >= 6  # rank 1 went on saving after its peer died
     finally:
-        _kill(procs)
+        kill_job(procs)
     restored = _restore(mem, disk, out, env)  # every node's memory is still there, rank 3's part stopped early
     for rank, r in enumerate(restored):
         assert r["step"] >= 3 and r["failures"] == []

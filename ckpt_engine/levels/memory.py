@@ -30,12 +30,13 @@ import re
 import shutil
 import socket
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import xxhash
 
 from ..config import LevelSpec
 from ..errors import CheckpointError
+from ..storage import Storage
 
 OWNERS = "owners"
 """Below a node's directory: one claim file per process that uses it."""
@@ -107,6 +108,37 @@ class NodeTable:
                 if peer == rank:
                     out[k].append(sender)
         return out
+
+
+class NodeParts(Storage):
+    """A node's memory directory seen as one checkpoint root: ``<dir>/rank-NNNNN.bin`` and
+    ``.index.json`` are read from ``rank-NNNNN/<dir>/`` (where each part lives, own or replica), so
+    that the ordinary reader reads a checkpoint whose every part this node holds, with no exchange.
+    Reading only."""
+
+    def path(self, *parts: str) -> str:
+        return super().path(_where("/".join(parts)))
+
+    def read_bytes(self, rel: str, *args: Any, **kwargs: Any) -> bytes:
+        return super().read_bytes(_where(rel), *args, **kwargs)
+
+    def regular_size(self, rel: str) -> int | None:
+        return super().regular_size(_where(rel))
+
+    def reader(self, rel: str) -> Any:
+        return super().reader(_where(rel))
+
+    def exists(self, rel: str) -> bool:
+        return super().exists(_where(rel))
+
+
+def _where(rel: str) -> str:
+    """Where a part's file of a checkpoint directory lives in a node's memory (other paths: as they are)."""
+    m = _PART.fullmatch(rel)
+    return f"{m.group(2)}/{m.group(1)}/{m.group(2)}{m.group(3)}" if m is not None else rel
+
+
+_PART = re.compile(r"(step-[0-9]+-[0-9a-z]+)/(rank-[0-9]{5,})(\.bin|\.index\.json)")
 
 
 # ---- owners and sweeping ----------------------------------------------------------------------

@@ -29,7 +29,7 @@ from ..restore_exchange import Exchange
 from ..storage import Storage
 from ..tally import Tally
 from .flush import Flusher, FlushItem
-from .memory import check_room, remove_node_dir
+from .memory import NodeParts, check_room, remove_node_dir
 from .open import RANK_COMMIT, Level, RankCommit, held_catalog, local_catalog, open_levels, rank_dir, write_rank_commit
 from .replicate import Replicator, open_group
 from .restore import candidates, load_levels
@@ -256,6 +256,10 @@ class MultiLevel:
         if self.node is not None:
             return held_catalog(self.node, self.rank, True)
         return {str(self.rank): local_catalog(self.fast.storage)}
+
+    def node_parts(self) -> Storage:
+        """This node's memory as one checkpoint root (levels/memory.py :class:`NodeParts`)."""
+        return NodeParts(self.node.path(""))  # type: ignore[union-attr]
 
     def part_storage(self, writer: int) -> Storage:
         """Where this rank reads ``writer``'s part on the node-local level 1."""

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import xxhash
 
+from .. import headroom
 from ..comm import Comm
 from ..errors import CheckpointError, CorruptionError, FormatError, MismatchError, NoCheckpointError
 from .transfer import StreamCheck
@@ -56,6 +57,9 @@ class Candidate:
     node_local: bool = False
     readers: tuple[int, ...] = ()
     """Node-local: which rank reads each writer's part."""
+    whole: bool = False
+    """Node-local: every rank's node holds every writer's part (a memory level), so each reads it all
+    itself, with no exchange."""
 
 
 def candidates(shared: Mapping[int, Sequence[Sequence[Any]]], held: Sequence[Mapping[str, Any]] | None,
@@ -69,10 +73,16 @@ def candidates(shared: Mapping[int, Sequence[Sequence[Any]]], held: Sequence[Map
     """
     found = [Candidate(level, int(s), str(d)) for level, dirs in shared.items() for s, d in dirs]
     if held:
-        found += [Candidate(0, s, d, True, readers) for s, d, readers in assemblable(held, world_size)]
+        found += [Candidate(0, s, d, True, readers, _whole(held, d, world_size))
+                  for s, d, readers in assemblable(held, world_size)]
     if step is not None:
         found = [c for c in found if c.step == step]
     return sorted(found, key=lambda c: (-c.step, c.level, tuple(-ord(ch) for ch in c.dirname)))
+
+
+def _whole(held: Sequence[Mapping[str, Any]], dirname: str, world_size: int) -> bool:
+    """Pure: whether each rank's view holds every writer's part of ``dirname``."""
+    return all(any(str(d) == dirname for _, d, _ in view.get(str(w), ())) for view in held for w in range(world_size))
 
 
 def load_levels(ml: MultiLevel, comm: Comm, step: int | None, fallback: bool, threads: int,
@@ -93,7 +103,8 @@ def load_levels(ml: MultiLevel, comm: Comm, step: int | None, fallback: bool, th
             break
         level = ml.levels[c.level]
         try:
-            attempt = (_read_local_copy(ml, c, comm.rank) if c.node_local
+            attempt = (_read_node_whole(ml, c, threads, comm.rank, into) if c.whole
+                       else _read_local_copy(ml, c, comm.rank) if c.node_local
                        else _read_shared(level, c, threads, comm.rank, into))
             report = attempt.report
         except Exception as e:  # noqa: BLE001 - reported to the other ranks first, so that none waits forever
@@ -103,7 +114,7 @@ def load_levels(ml: MultiLevel, comm: Comm, step: int | None, fallback: bool, th
         bad = [r["error"] for r in reports if not r["ok"]]
         if not bad:
             try:
-                return (attempt.finish(comm, reports, into) if c.node_local  # type: ignore[union-attr]
+                return (attempt.finish(comm, reports, into) if c.node_local and not c.whole  # type: ignore[union-attr]
                         else attempt.result)  # type: ignore[union-attr]
             except CheckpointError as e:  # the same on every rank: it depends on the gathered reports only
                 own_error, bad = own_error or e, [str(e)]
@@ -138,6 +149,42 @@ def _read_shared(level: Level, c: Candidate, threads: int, rank: int, into: Any)
     opened = open_checkpoint(level.storage, c.dirname)
     state, verified = read_for_rank(level.storage, opened, rank, threads, into=into)
     return _Shared((state, Loaded(opened, level.storage, level.index, verified)), {"ok": True})
+
+
+# ---- a node that holds every part -------------------------------------------------------------------
+def _read_node_whole(ml: MultiLevel, c: Candidate, threads: int, rank: int, into: Any) -> _Shared:
+    """Every part of ``c`` is in this rank's node memory: open it from the writers' commits and read
+    it as a shared level is read (this rank's share of the state, its own and writer 0's ``local``),
+    every byte verified, with no exchange."""
+    view = ml.node_parts()
+    opened = _open_parts(ml, view, c.dirname, len(c.readers))
+    state, verified = read_for_rank(view, opened, rank, threads, into=into)
+    return _Shared((state, Loaded(opened, view, ml.fast.index, verified)), {"ok": True})
+
+
+def _open_parts(ml: MultiLevel, view: Storage, dirname: str, writers: int) -> Opened:
+    """The manifest of ``dirname`` rebuilt from its writers' ``rank-commit.json`` and their index
+    files, each index checked against its writer's commit (what ``open_checkpoint`` does with a manifest)."""
+    where = view.describe(dirname)
+    commits = [RankCommit.from_json(ml.part_storage(w).read_bytes(f"{dirname}/{RANK_COMMIT}"),
+                                    ml.part_storage(w).describe(f"{dirname}/{RANK_COMMIT}")) for w in range(writers)]
+    manifest = commits[0].manifest([rc.record for rc in commits], where)
+    indexes = []
+    for w, rc in enumerate(commits):
+        iwhere = view.describe(f"{dirname}/{index_file(w)}")
+        raw = view.read_bytes(f"{dirname}/{index_file(w)}")
+        if rc.rank != w or len(raw) != rc.record.index_bytes or xxhash.xxh3_64_hexdigest(raw) != rc.record.index_xxh3:
+            raise CorruptionError(f"{iwhere}: checksum mismatch (the index file was modified or replaced)")
+        idx = RankIndex.from_json(raw, iwhere)
+        if (idx.step, idx.rank, idx.world_size, idx.attempt) != (manifest.step, w, manifest.world_size, rc.attempt):
+            raise FormatError(f"{iwhere}: belongs to another checkpoint")
+        size = view.regular_size(f"{dirname}/{data_file(w)}")
+        if size != idx.data_bytes:
+            raise CorruptionError(f"{view.describe(f'{dirname}/{data_file(w)}')}: "
+                                  f"{'missing' if size is None else f'{size} bytes'}, {idx.data_bytes} expected")
+        indexes.append(idx)
+    check_coverage(manifest, indexes, lambda w: view.describe(f"{dirname}/{index_file(w)}"))
+    return Opened(dirname, manifest, tuple(indexes))
 
 
 # ---- a node-local level 1 -----------------------------------------------------------------------------
@@ -238,6 +285,7 @@ def _read_part(storage: Storage, dirname: str, writer: int) -> tuple[np.ndarray,
     if size != idx.data_bytes:
         raise CorruptionError(f"{data_where}: {'missing' if size is None else f'{size} bytes'}, "
                               f"{idx.data_bytes} expected (truncated or replaced)")
+    headroom.refuse_beyond([(f"the part of writer {writer}", idx.data_bytes)], data_where, f"reading step {idx.step}")
     data = np.empty(idx.data_bytes, dtype=np.uint8)
     check = StreamCheck(idx, data_where)
     with storage.reader(f"{dirname}/{data_file(writer)}") as reader:
