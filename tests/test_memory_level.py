@@ -197,14 +197,23 @@ def _restore(mem, disk, out, env: dict) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_a_lost_node_resumes_from_the_newest_step_in_the_other_nodes_memory(tmp_path):
+def test_a_lost_node_resumes_from_the_newest_step_in_the_other_nodes_memory(tmp_path, capsys):
     """Every rank SIGKILLed; node 1's memory deleted (a replaced node); the disk never got a checkpoint."""
     mem, out = tmp_path / "mem", tmp_path / "out"
     out.mkdir()
     env = {"HOLD_DISK": "1"}
     saved = _save_then_kill(mem, str(tmp_path / "disk"), out, 3, env)
     assert all(r["counters"]["replicated"] == 3 and r["counters"]["replica_failed"] == 0 for r in saved)
+    from ckpt_engine.cli import main
+
+    assert main(["ls", str(mem / "test"), "--json"]) == 0
+    rows = {r["step"]: r["levels"][0]["status"] for r in json.loads(capsys.readouterr().out)}
+    assert rows[3] == "whole (node-0: 4/4 parts, node-1: 4/4 parts)", rows
     shutil.rmtree(mem / "test" / "node-1")
+    assert main(["ls", str(mem / "test"), str(tmp_path / "disk")]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split() == ["step", "level", "1:", str(mem / "test"), "level", "2:", str(tmp_path / "disk")]
+    assert table[-1].split() == ["3", "whole", "(node-0:", "4/4", "parts)", "-"]  # the disk never got it
     restored = _restore(mem, str(tmp_path / "disk"), out, env)
     for rank, r in enumerate(restored):
         assert (r["step"], r["level"], r["failures"]) == (3, 0, [])

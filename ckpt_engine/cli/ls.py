@@ -1,14 +1,21 @@
 """``ckpt ls``: the committed checkpoints below a root, oldest first, and with ``--all`` every other attempt.
 
-Nothing is read but manifests and listings.
+With several roots (the levels of one job, fastest first: ``ckpt ls /dev/shm/ckpt-suite/JOB /ckpt/run
+s3://bucket/run``), one row per step and one column per level says which level holds which step.
+A memory level's directory (levels/memory.py: ``node-*/rank-*/`` below it, or one level up) is
+listed from its nodes' parts: a step is whole there when the nodes on this machine hold every
+writer's part. Nothing is read but manifests, rank commits and listings.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
+import os
 from typing import Any
 
 from ..format import catalog
+from ..levels.open import local_catalog
 from ..format.manifest import MANIFEST_NAME
 from ..storage import Storage
 from .common import OK, Parents, open_storage, print_json
@@ -54,8 +61,64 @@ def _other_row(storage: Storage, name: str, committed_steps: set[int]) -> dict[s
             "time": iso(mtime) if mtime is not None else None, "dir": name, "status": status}
 
 
+def node_dirs(root: str) -> list[str]:
+    """The memory-level node directories at ``root`` (a node's, a job's or the memory root), sorted."""
+    for depth in range(3):
+        found = sorted(glob.glob(os.path.join(glob.escape(root), *["*"] * depth, "node-*")))
+        found = [d for d in found if os.path.isdir(d) and not os.path.islink(d)]
+        if found or os.path.basename(root.rstrip("/")).startswith("node-"):
+            return found or [root]
+    return []
+
+
+def memory_steps(root: str) -> dict[int, str]:
+    """What a memory level at ``root`` holds, by step: ``whole (node-0: 4/4 parts, ...)`` when the
+    nodes here hold every writer's part of the newest attempt, else ``partial (...)``."""
+    holds: dict[tuple[int, str], dict[str, set[int]]] = {}
+    writers: dict[tuple[int, str], int] = {}
+    for node in node_dirs(root):
+        storage = Storage(node)
+        for name in storage.listdir(""):
+            if name.startswith("rank-") and name[5:].isdigit():
+                for step, dirname, world in local_catalog(storage.child(name)):
+                    holds.setdefault((step, dirname), {}).setdefault(os.path.basename(node), set()).add(int(name[5:]))
+                    writers[(step, dirname)] = world
+    out: dict[int, str] = {}
+    for (step, dirname), by_node in sorted(holds.items()):
+        world = writers[(step, dirname)]
+        whole = set().union(*by_node.values()) >= set(range(world))
+        where = ", ".join(f"{n}: {len(w)}/{world} parts" for n, w in sorted(by_node.items()))
+        out[step] = f"{'whole' if whole else 'partial'} ({where})"
+    return out
+
+
+def level_rows(args: argparse.Namespace, roots: list[str]) -> list[dict[str, Any]]:
+    """One row per step any level holds: what each level (``roots``, fastest first) has of it."""
+    columns: list[dict[int, str]] = []
+    for path in roots:
+        if "://" not in path.removeprefix("file://") and node_dirs(path.removeprefix("file://")):
+            columns.append(memory_steps(path.removeprefix("file://")))
+        else:
+            columns.append({r["step"]: r["status"] for r in ls_rows(open_storage(args, path))})
+    steps = sorted(set().union(*columns))
+    return [{"step": step, "levels": [{"level": i + 1, "root": root, "status": col.get(step)}
+                                      for i, (root, col) in enumerate(zip(roots, columns))]} for step in steps]
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     """Print the committed checkpoints (and with ``--all`` every other attempt), oldest first."""
+    roots = [args.path, *args.more]
+    if len(roots) > 1 or node_dirs(args.path.removeprefix("file://")):
+        rows = level_rows(args, roots)
+        if args.json:
+            print_json(rows)
+        elif not rows:
+            print(f"no checkpoint on any of {', '.join(roots)}")
+        else:
+            heads = ("step", *(f"level {i + 1}: {root}" for i, root in enumerate(roots)))
+            print("\n".join(render(heads, [(r["step"], *(lv["status"] or "-" for lv in r["levels"])) for r in rows],
+                                   right=(0,))))
+        return OK
     rows = ls_rows(open_storage(args), args.all)
     if args.json:
         print_json(rows)
@@ -76,5 +139,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def add_parser(sub: Any, parents: Parents) -> None:
     """Register ``ckpt ls`` on the sub-parsers ``sub``."""
     p = sub.add_parser("ls", parents=[parents.path, parents.common, parents.json], help="list committed checkpoints")
+    p.add_argument("more", nargs="*", metavar="ROOT",
+                   help="the job's other levels, slower ones after: one column per level (a memory level's "
+                        "directory is listed from its nodes' parts)")
     p.add_argument("--all", action="store_true", help="also list uncommitted, superseded and damaged attempts")
     p.set_defaults(fn=cmd_ls)
