@@ -70,9 +70,7 @@ def worker(args: argparse.Namespace) -> None:
     if args.mode == "save":
         ck = Checkpointer(levels=_levels(args), comm=TorchDistComm(), keep_last=1)
         ck.save(state, 1)
-        ck.wait(flush=True)
-        if ck._dest.replicator is not None:
-            ck._dest.replicator.drain(600)
+        ck.wait(flush=True)  # committed in memory, replicated, and on the disk
         dist.barrier()
         print("saved", flush=True)
         time.sleep(3600)

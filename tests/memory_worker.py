@@ -84,7 +84,6 @@ def main() -> None:
         for step in range(1, int(sys.argv[5]) + 1):
             ck.save(make_state(step), step, make_local(step, rank))
             ck.wait()
-        ck._dest.replicator.drain(120) if ck._dest.replicator is not None else None
         if disk != "-" and os.environ.get("HOLD_DISK") != "1":
             ck.wait(flush=True)
         result.update(counters=dict(ck.counters))

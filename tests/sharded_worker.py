@@ -10,7 +10,8 @@ MASTER_PORT in the environment (``LAYOUT single`` runs alone, without torch.dist
 * ``single``: one process, a plain module.
 
 With ``SHARDED_LEVELS=1`` in the environment the checkpoints go to a node-local level 1
-(``ROOT/node{rank}``) flushed to a shared level 2 (``ROOT/shared``); with ``SHARDED_COUNT=1`` the
+(``ROOT/node{rank}``) flushed to a shared level 2 (``ROOT/shared``); with ``SHARDED_LEVELS=memory``
+to a memory level (``ROOT/mem``, job ``sharded``, the node from ``CKPT_NODE``) flushed to ``ROOT/shared``; with ``SHARDED_COUNT=1`` the
 ``load`` mode writes the bytes it read from data files to ``OUT/read-RANK.json``.
 
 Modes:
@@ -151,7 +152,10 @@ def main() -> None:
     steps = int(sys.argv[5]) if len(sys.argv) > 5 else 3
     rank = int(os.environ.get("RANK", "0"))
     model, opt, comm = build(layout, seed=0 if mode != "load" else 99)
-    if os.environ.get("SHARDED_LEVELS"):  # a node-local level 1 (one directory per rank), a shared level 2
+    if os.environ.get("SHARDED_LEVELS") == "memory":  # node memory (CKPT_NODE), flushed to a shared level 2
+        mem = {"kind": "memory", "path": os.path.join(root, "mem"), "job": "sharded"}
+        ck = Checkpointer(levels=[mem, os.path.join(root, "shared")], comm=comm)
+    elif os.environ.get("SHARDED_LEVELS"):  # a node-local level 1 (one directory per rank), a shared level 2
         ck = Checkpointer(levels=[os.path.join(root, f"node{rank}"), os.path.join(root, "shared")], comm=comm)
     elif os.environ.get("SHARDED_COUNT"):  # count the bytes read from data files
         from ckpt_engine.testing import CountingStorage
@@ -203,6 +207,9 @@ def main() -> None:
             train(model, opt, range(step, step + 1))
             ck.save(sharded_state(model, opt, layout), step)
             print(f"saved {step}", flush=True)
+    if os.environ.get("SHARDED_LEVELS") == "memory" and mode == "save":
+        ck.wait(flush=True)
+        leave()  # the job dies here: its memory stays for the restart (close() would release it)
     ck.close()
     if comm is not None:
         import torch.distributed as dist

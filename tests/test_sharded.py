@@ -226,6 +226,31 @@ def test_sharded_state_through_a_node_local_level_and_its_flush(tmp_path):
     assert_same(Checkpointer(str(root / "shared"), readonly=True).load(), ref)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["fsdp", "hsdp"])
+def test_sharded_state_of_a_lost_node_comes_back_from_the_other_nodes_memory(tmp_path, layout):
+    """2 simulated nodes x 2 ranks, a memory level: node 1's memory and the shared level deleted, the
+    shards node 1's ranks wrote come back from node 0's replicas, bit for bit, and two more steps
+    give the same bits as the uninterrupted run."""
+    root, out = tmp_path / "levels", tmp_path / "out"
+    out.mkdir()
+    env = dict(ENV, SHARDED_LEVELS="memory")
+    nodes = [{"CKPT_NODE": str(r // 2), "LOCAL_WORLD_SIZE": "2"} for r in range(4)]
+    for p in start_ranks(4, ["save", layout, str(root), str(out)], env, worker=WORKER, rank_env=nodes):
+        output, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, output[-4000:]
+    shutil.rmtree(root / "mem" / "sharded" / "node-1")
+    shutil.rmtree(root / "shared")
+    loaded = tmp_path / "loaded"
+    loaded.mkdir()
+    for p in start_ranks(4, ["load", layout, str(root), str(loaded)], env, worker=WORKER, rank_env=nodes):
+        output, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, output[-4000:]
+    assert (loaded / "level.txt").read_text() == "0"
+    assert_same(full(f"{loaded}/loaded.pt"), full(f"{out}/full.pt"))
+    assert_same(full(f"{loaded}/loaded_after.pt"), full(f"{out}/after.pt"))
+
+
 def test_each_rank_reads_only_the_pieces_its_chunks_need(saved, tmp_path):
     """Same layout: every rank reads exactly the extents of its own chunks' pieces and of the plain
     tensors. Twice the ranks: the first and last new chunks lie in one old rank's chunks, and are

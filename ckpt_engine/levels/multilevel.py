@@ -156,9 +156,14 @@ class MultiLevel:
 
     # ---- waiting ----------------------------------------------------------------------------------
     def await_commit(self, dirname: str, timeout: float) -> None:
-        """Other ranks of a shared level 1: until rank 0 committed ``dirname`` there."""
+        """Other ranks of a shared level 1: until rank 0 committed ``dirname`` there. A memory level:
+        until this rank's part is also on its peers (the checkpoint is *taken*: it survives this
+        node); a peer that died is not waited for (replication stopped, warned once)."""
         if not self.node_local and self.rank != 0:
             wait_for_commit(self.fast.storage, dirname, self.world_size, timeout)
+        if self.replicator is not None and not self.replicator.drain(timeout):
+            raise CommitTimeoutError(f"{self.fast.name}: {dirname} not replicated to ranks {self.replicator.peers} "
+                                     f"on other nodes within {timeout:g} s; is every rank saving the same steps?")
 
     def drain(self, timeout: float) -> None:
         """Wait until every lower level has the newest checkpoint (older pending ones are skipped).
