@@ -6,8 +6,9 @@ are thin adapters over :class:`Checkpointer`.
 
 from .checkpointer import Checkpointer, SaveHandle
 from .comm import Comm, LocalComm, TorchDistComm
-from .errors import (CheckpointError, CheckpointWarning, CommitTimeoutError, CorruptionError, DiskFullError, FormatError,
-                     InsufficientMemoryError, MismatchError, NoCheckpointError, StorageError, UnsupportedValueError)
+from .errors import (CheckpointError, CheckpointWarning, CommitTimeoutError, CorruptionError, DiskFullError,
+                     FormatError, InsufficientMemoryError, MismatchError, NoCheckpointError, StorageError,
+                     UnsupportedValueError)
 from .persist import SaveRecord
 
 __all__ = [

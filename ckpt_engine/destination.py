@@ -33,9 +33,10 @@ class Destination(Protocol):
     1. **open** (construction, training, a collective): create and sweep the levels, agree on
        this incarnation's :attr:`generation` (the prefix of its attempt tags), so that every sweep
        is done before any rank writes;
-    2. per ``save()`` (training): :meth:`admit` with the part's size, then :meth:`saving` with what a commit of the attempt needs, returning
-       what the persist worker commits with (``None``: this rank does not commit through it); or,
-       when back-pressure dropped the attempt, :meth:`skipped` instead;
+    2. per ``save()`` (training): :meth:`admit` with the part's size, then :meth:`saving` with what a
+       commit of the attempt needs, returning what the persist worker commits with (``None``: this
+       rank does not commit through it); or, when back-pressure dropped the attempt, :meth:`skipped`
+       instead;
     3. after every persist job, failed ones included (persist): :meth:`persisted`, which commits or
        hands the attempt on as the destination requires and runs retention on its own thread;
        ``True`` when this rank committed it (counted in ``counters["committed"]``);
@@ -53,6 +54,8 @@ class Destination(Protocol):
     """This incarnation's tag (see :func:`new_generation`), agreed at open."""
     make_room: bool
     """Whether persist may delete committed checkpoints beyond ``keep_last - 1`` when the storage is full."""
+    buffers: Callable[[int, bool], Any] | None
+    """What makes the snapshot buffers, when not ordinary host memory (a memory level: files of it)."""
 
     def admit(self, nbytes: int) -> None:
         """``save()`` and ``reserve()`` (training), before a buffer is taken, with this rank's part

@@ -25,6 +25,7 @@ from . import failure
 from .commit import Abandoned, CommitInputs, commit, write_abort
 from .errors import CheckpointError, CheckpointWarning
 from .format.manifest import IndexEntry, RankIndex, TensorEntry, data_file, index_file
+from .levels.buffers import link_data
 from .snapshot import BufferPool, HostBuffer, Piece
 from .storage import Storage
 from .tally import Tally
@@ -93,7 +94,8 @@ class PersistJob:
 
 
 def write_rank(storage: Storage, job: PersistJob) -> None:
-    """Checksum and write the rank's data file, then its index file (both durable on return)."""
+    """Checksum and write the rank's data file (on a memory level, a buffer that is a file of the
+    level is linked instead: levels/buffers.py), then its index file (both durable on return)."""
     if job.snapshot is not None:
         job.snapshot.result()
     if job.buffer.event is not None:
@@ -109,13 +111,17 @@ def write_rank(storage: Storage, job: PersistJob) -> None:
                         for p, end in zip(job.pieces, ends))
         return entries, time.thread_time() - begin
 
-    # The checksums (xxh3 releases the GIL) are computed beside the write, which reads the same
-    # buffer and mostly waits on the device; the index that holds them is written after both.
-    hashing = _HASHER.submit(checksums) if job.nbytes >= _OVERLAP_MIN else None
     storage.makedirs(job.dirname)
-    # No directory fsync here: the index file's atomic write below syncs the same directory.
-    storage.write_stream(f"{job.dirname}/{data_file(job.rank)}", [view], sync_dir=False)
-    entries, hash_cpu = hashing.result() if hashing is not None else checksums()
+    rel = f"{job.dirname}/{data_file(job.rank)}"
+    if link_data(storage, rel, job.buffer, job.nbytes):  # the buffer is the memory checkpoint's file
+        hashing, (entries, hash_cpu) = None, checksums()
+    else:
+        # The checksums (xxh3 releases the GIL) are computed beside the write, which reads the same
+        # buffer and mostly waits on the device; the index that holds them is written after both.
+        hashing = _HASHER.submit(checksums) if job.nbytes >= _OVERLAP_MIN else None
+        # No directory fsync here: the index file's atomic write below syncs the same directory.
+        storage.write_stream(rel, [view], sync_dir=False)
+        entries, hash_cpu = hashing.result() if hashing is not None else checksums()
     job.record.persist_s = time.perf_counter() - start
     job.record.persist_cpu_s = time.thread_time() - cpu + (hash_cpu if hashing is not None else 0.0)
     index = RankIndex(job.step, job.rank, job.world_size, job.attempt, job.nbytes, entries, job.local_tensors,

@@ -29,6 +29,8 @@ class SingleLevel:
     """A :class:`~ckpt_engine.destination.Destination` of one path (one level)."""
 
     make_room = True
+    buffers = None
+    """Snapshot buffers are ordinary host memory (a memory level makes them files: levels/buffers.py)."""
 
     def __init__(self, spec: LevelSpec, comm: Comm, *, readonly: bool = False) -> None:
         """Open the root (a collective: rank 0 creates and sweeps it unless ``readonly``; its failure

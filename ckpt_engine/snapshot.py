@@ -24,7 +24,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from math import prod
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
@@ -177,21 +177,37 @@ class HostBuffer:
         """The first ``nbytes`` as a memoryview (what persist writes and hashes)."""
         return memoryview(self.tensor.numpy()[:nbytes])
 
+    def reusable(self, nbytes: int) -> bool:
+        """Whether a snapshot of ``nbytes`` may be copied into it now (given back, large enough)."""
+        return True
+
+    def kept(self) -> bool:
+        """Whether something else still holds it (a committed memory checkpoint), so the pool keeps it."""
+        return False
+
+    def drop(self) -> bool:
+        """Let it go (the pool replaces it); ``True``."""
+        return True
+
 
 class BufferPool:
-    """At most ``max_inflight`` buffers; a snapshot takes one, persist gives it back.
+    """At most ``max_inflight`` buffers taken at once; a snapshot takes one, persist gives it back.
 
     Buffers are allocated on first use and reused while they are large enough, so steady-state
-    checkpointing allocates nothing. ``allocations`` counts the allocations made, ``waiting`` the
-    callers blocked in :meth:`acquire`.
+    checkpointing allocates nothing. ``make(nbytes, pinned)`` allocates one (default
+    :class:`HostBuffer`; a memory level makes buffers that are files in its tmpfs, levels/buffers.py,
+    which a committed checkpoint keeps until retention removes it: such a buffer given back is
+    reused only once :meth:`HostBuffer.reusable` says so). ``allocations`` counts the allocations
+    made, ``waiting`` the callers blocked in :meth:`acquire`.
     """
 
     def __init__(self, max_inflight: int) -> None:
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         self.max_inflight = max_inflight
+        self.make: Callable[[int, bool], HostBuffer] = HostBuffer
         self._free: list[HostBuffer] = []
-        self._count = 0
+        self._taken = 0
         self._cond = threading.Condition()
         self.allocations = 0
         self.waiting = 0
@@ -199,7 +215,7 @@ class BufferPool:
     def acquire(self, nbytes: int, pinned: bool, block: bool) -> HostBuffer | None:
         """A buffer of at least ``nbytes``; waits for one (``block``) or returns ``None``."""
         with self._cond:
-            while not self._free and self._count >= self.max_inflight:
+            while self._taken >= self.max_inflight:
                 if not block:
                     return None
                 self.waiting += 1
@@ -207,39 +223,34 @@ class BufferPool:
                     self._cond.wait()
                 finally:
                     self.waiting -= 1
-            if self._free:
-                fits = [b for b in self._free if b.capacity >= nbytes and b.pinned == pinned]
-                buf = fits[0] if fits else self._free[0]
-                self._free.remove(buf)
-                if fits:
+            self._taken += 1
+            for buf in self._free:
+                if buf.capacity >= nbytes and buf.pinned == pinned and buf.reusable(nbytes):
+                    self._free.remove(buf)
                     return buf
-                self._count -= 1  # too small: dropped, replaced below
-            self._count += 1
+            self._free = [b for b in self._free if b.kept() or not b.drop()]  # too small: replaced below
         self.allocations += 1
-        return HostBuffer(nbytes, pinned)
+        return self.make(nbytes, pinned)
 
     def reserve(self, nbytes: int, pinned: bool) -> None:
         """Allocate every slot now (at set-up), so the first snapshots do not pay for it."""
         with self._cond:
-            while self._count < self.max_inflight:
-                self._free.append(HostBuffer(nbytes, pinned))
-                self._count += 1
+            usable = [b for b in self._free if b.capacity >= nbytes and b.pinned == pinned and b.reusable(nbytes)]
+            for _ in range(self.max_inflight - self._taken - len(usable)):
+                self._free.append(self.make(nbytes, pinned))
                 self.allocations += 1
-            for i, buf in enumerate(self._free):
-                if buf.capacity < nbytes or buf.pinned != pinned:
-                    self._free[i] = HostBuffer(nbytes, pinned)
-                    self.allocations += 1
 
     def release(self, buf: HostBuffer) -> None:
         """Give ``buf`` back for reuse."""
         with self._cond:
+            self._taken -= 1
             self._free.append(buf)
             self._cond.notify()
 
     def idle(self) -> bool:
         """Whether no buffer is taken (nothing in flight)."""
         with self._cond:
-            return len(self._free) == self._count
+            return self._taken == 0
 
 
 @dataclass(frozen=True)

@@ -387,3 +387,28 @@ def test_two_jobs_on_one_node_keep_their_own_memory_until_one_is_gone(tmp_path):
     b.close()
     c.close()
     assert os.listdir(mem) == []  # released at close: each job's disk level holds its newest
+
+
+# ---- the snapshot buffer is the memory checkpoint ------------------------------------------------------
+def test_the_snapshot_buffer_is_the_memory_checkpoints_data_file_and_is_reused_only_once_unlinked(tmp_path):
+    """A CPU snapshot is copied into a file of the memory level, committed by a hard link (no second
+    write); the pool reuses a buffer only after retention removed every checkpoint that links it,
+    so older checkpoints stay intact, and steady state allocates nothing new."""
+    mem = tmp_path / "mem"
+    ck = Checkpointer(levels=[{"kind": "memory", "path": str(mem), "job": "j"}], keep_last=3)
+    state = lambda v: {"w": torch.full((1 << 16,), float(v)), "b": torch.arange(7) * v}  # noqa: E731
+    for step in range(1, 13):
+        ck.save(state(step), step)
+        ck.wait(retention=True)
+        if step == 4:
+            early = ck._pool.allocations
+    own = ck.levels[0]
+    newest = max(own.listdir(""))
+    data = os.stat(own.path(f"{newest}/rank-00000.bin"))
+    buffers = [os.stat(os.path.join(own.path(".buffers"), b)) for b in os.listdir(own.path(".buffers"))]
+    assert any(b.st_ino == data.st_ino for b in buffers) and data.st_nlink == 2  # the same file, linked
+    assert ck._pool.allocations == early <= 4  # keep_last + the one in flight, then nothing new
+    assert ck.steps() == [10, 11, 12]
+    for step in (10, 11, 12):  # each still holds its own bytes: no buffer reused while linked
+        assert digest(ck.load(step=step)) == digest(state(step))
+    ck.close()

@@ -29,8 +29,10 @@ from ..restore_exchange import Exchange
 from ..storage import Storage
 from ..tally import Tally
 from .flush import Flusher, FlushItem
+from .buffers import BUFFERS, FileBuffers
 from .memory import NodeParts, check_room, remove_node_dir
-from .open import RANK_COMMIT, Level, RankCommit, held_catalog, local_catalog, open_levels, rank_dir, write_rank_commit
+from .open import (RANK_COMMIT, Level, RankCommit, assemblable, held_catalog, local_catalog, open_levels, rank_dir,
+                   write_rank_commit)
 from .replicate import Replicator, open_group
 from .restore import candidates, load_levels
 
@@ -59,6 +61,10 @@ class MultiLevel:
         self._keep_fast = self.fast.keep_last
         self._admitted = False
         self._drained = False
+        self.buffers: FileBuffers | None = None
+        """A memory level: the rank's snapshot buffers are files of it (levels/buffers.py)."""
+        if self.node is not None and self.fast.storage.protocol == "file":
+            self.buffers = FileBuffers(self.fast.storage.path(BUFFERS))
         self.replicator: Replicator | None = None
         if self.nodes is not None and self.memory.replicas > 0 and self.nodes.count > 1:
             group = open_group(comm, self.generation, min(commit_timeout, 120.0))
@@ -226,12 +232,15 @@ class MultiLevel:
         """Committed steps this process can see on any level, oldest first (no communication).
 
         A node-local level 1 contributes the steps every rank had there at start (a restore from it
-        needs every rank); shared levels are listed now.
+        needs every rank), and on a memory level those whose every part this node holds now;
+        shared levels are listed now.
         """
         found: set[int] = set()
         for level in self.levels:
             if level.node_local:
                 found |= {step for step, _ in self.complete}
+                if self.node is not None:
+                    found |= {step for step, _, _ in assemblable([self.held()], self.world_size)}
             else:
                 found |= {e.step for e in committed(level.storage)}
         return sorted(found)

@@ -36,6 +36,7 @@ from ..errors import CheckpointError, CheckpointWarning, CorruptionError
 from ..format.manifest import RankIndex, data_file, index_file
 from ..storage import Storage
 from ..tally import Tally
+from .buffers import BUFFERS
 from .memory import NodeTable
 from .open import RANK_COMMIT, RankCommit, rank_dir
 from .transfer import StreamCheck
@@ -256,6 +257,11 @@ class _Outgoing:
         path = own.path(f"{dirname}/{data_file(rank)}")
         self.size = os.path.getsize(path)
         self._map: mmap.mmap | None = None
+        self._pin: str | None = own.path(f"{BUFFERS}/sending-{dirname}")
+        try:  # a link of its own: a snapshot buffer that is this file is not reused while it is sent
+            os.link(path, self._pin)
+        except OSError:
+            self._pin = None
         if self.size:
             with open(path, "rb") as f:
                 self._map = mmap.mmap(f.fileno(), self.size, access=mmap.ACCESS_COPY)
@@ -270,6 +276,11 @@ class _Outgoing:
         return [whole[lo:lo + CHUNK] for lo in range(0, self.size, CHUNK)]
 
     def close(self) -> None:
+        if self._pin is not None:
+            try:
+                os.remove(self._pin)
+            except OSError:
+                pass
         if self._map is not None:
             try:
                 self._map.close()

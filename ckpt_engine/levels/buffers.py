@@ -1,0 +1,106 @@
+"""Snapshot buffers that are the memory checkpoint: files in the memory level's tmpfs, mapped.
+
+On a memory level, a CPU snapshot is copied into a :class:`FileBuffer`: a file below the rank's own
+directory (``.buffers/buf-N``) mapped shared into the process. Persist then checksums it in place
+and commits it by a hard link as the checkpoint's data file (:func:`link_data`) instead of writing
+the bytes a second time, so a memory checkpoint costs the snapshot copy and the checksums: no write,
+no fresh tmpfs pages. The buffer is reused once no checkpoint links it any more (retention removed
+them all: its link count is 1 again), so the pool holds as many as the memory level keeps plus the
+ones in flight. A buffer whose size differs from the snapshot's (a CUDA snapshot's staging areas,
+a state that changed shape) is written the ordinary way.
+
+Pinning these pages for CUDA copies (``cudaHostRegister``) is not done: a CUDA snapshot uses a
+pinned :class:`~ckpt_engine.snapshot.HostBuffer` and is written to the memory level as a file.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import shutil
+
+import torch
+
+from ..snapshot import HostBuffer
+from ..storage import Storage
+
+BUFFERS = ".buffers"
+"""Below a rank's own directory of a memory level: its snapshot buffers."""
+
+
+class FileBuffer(HostBuffer):
+    """A snapshot buffer that is the file ``path`` (``nbytes`` long, zero-filled), mapped shared."""
+
+    def __init__(self, path: str, nbytes: int) -> None:
+        size = max(nbytes, 1)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            # Every page allocated now: a tmpfs that fills up later must not turn the snapshot copy's
+            # first touch of a page into SIGBUS. A full one raises OSError (ENOSPC) here instead.
+            os.posix_fallocate(fd, 0, size)
+            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError:
+            os.close(fd)
+            os.remove(path)
+            raise
+        os.close(fd)
+        self.path = path
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.pinned = False
+        self.address = self.tensor.data_ptr()
+        self.event = None
+        self._views: dict[tuple, torch.Tensor] = {}
+
+    def linked(self) -> bool:
+        """Whether a checkpoint's data file is this file (a hard link to it exists)."""
+        try:
+            return os.stat(self.path).st_nlink > 1
+        except OSError:
+            return False
+
+    def reusable(self, nbytes: int) -> bool:
+        return self.capacity == max(nbytes, 1) and not self.linked()
+
+    def kept(self) -> bool:
+        return self.linked()
+
+    def drop(self) -> bool:
+        try:
+            os.remove(self.path)
+        except OSError:
+            pass
+        return True
+
+
+class FileBuffers:
+    """Makes the :class:`FileBuffer` s of one rank in ``directory`` (the pool's ``make``); pinned
+    (CUDA) buffers stay ordinary host memory."""
+
+    def __init__(self, directory: str) -> None:
+        shutil.rmtree(directory, ignore_errors=True)  # an earlier incarnation's: its checkpoints keep their links
+        os.makedirs(directory, exist_ok=True)
+        self.directory = directory
+        self._seq = itertools.count()
+
+    def __call__(self, nbytes: int, pinned: bool) -> HostBuffer:
+        if not pinned:
+            try:
+                return FileBuffer(os.path.join(self.directory, f"buf-{next(self._seq)}"), nbytes)
+            except OSError:  # the tmpfs is full: ordinary memory; writing it reports the full level
+                pass
+        return HostBuffer(nbytes, pinned)
+
+
+def link_data(storage: Storage, rel: str, buffer: HostBuffer, nbytes: int) -> bool:
+    """Commit ``buffer``'s bytes as the file ``rel`` of ``storage`` by a hard link, when it is a
+    :class:`FileBuffer` of exactly ``nbytes`` on the same filesystem; ``False`` otherwise (the
+    caller writes them)."""
+    if not isinstance(buffer, FileBuffer) or buffer.capacity != max(nbytes, 1) or nbytes == 0:
+        return False
+    target = storage.path(rel)
+    try:
+        os.link(buffer.path, target)
+    except OSError:
+        return False
+    return True
