@@ -29,7 +29,7 @@ world size (the data split changes).
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
 
@@ -57,7 +57,9 @@ class AsyncShardedCheckpoint(*_lightning.bases("callbacks.Callback")):  # type: 
         every_seconds / train_time_interval: about every T seconds (a number or a ``timedelta``).
         overhead_budget: adaptive frequency under this fraction of training time (e.g. ``0.035``).
         max_interval: at least every this many seconds, composed with any trigger.
-        keep_last: committed checkpoints to keep. levels: one level, or use ``path``.
+        keep_last: committed checkpoints to keep. levels: instead of ``path``, the levels fastest first,
+            each a path or a mapping (``{path, storage_options, keep_last}``; the first may be node
+            memory, ``{kind: memory, ...}``: ``ckpt_engine.levels.memory``).
         storage_options: fsspec options (leave credentials to fsspec's own configuration).
         resume: ``"auto"`` continues from the newest committed checkpoint under ``path``;
             ``"never"`` starts fresh (``trainer.fit(ckpt_path=...)`` still works).
@@ -78,7 +80,8 @@ class AsyncShardedCheckpoint(*_lightning.bases("callbacks.Callback")):  # type: 
                  every_n_steps: Optional[int] = None, every_n_train_steps: Optional[int] = None,
                  every_seconds: Optional[float] = None, train_time_interval: Optional[timedelta] = None,
                  overhead_budget: Optional[float] = None, max_interval: Optional[float] = None,
-                 keep_last: Optional[int] = DEFAULT_KEEP_LAST, levels: Optional[list[str]] = None,
+                 keep_last: Optional[int] = DEFAULT_KEEP_LAST,
+                 levels: Optional[list[Union[str, dict[str, Any]]]] = None,
                  storage_options: Optional[dict[str, Any]] = None, resume: Literal["auto", "never"] = "auto",
                  save_on_train_end: bool = True, save_on_exception: bool = True, save_on_sigterm: bool = True,
                  pipeline: bool = False, max_inflight: int = 1, commit_timeout: float = 600.0,

@@ -53,9 +53,9 @@ def test_explicit_ckpt_path_and_coexistence_with_model_checkpoint(tmp_path):
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples")
 
 
-def cli(cwd, *args) -> subprocess.CompletedProcess:
+def cli(cwd, *args, config: str = "lightning_cli.yaml") -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, os.path.join(EXAMPLE, "lightning_train.py"), "fit", "--config",
-                           os.path.join(EXAMPLE, "lightning_cli.yaml"), *args], cwd=cwd, capture_output=True,
+                           os.path.join(EXAMPLE, config), *args], cwd=cwd, capture_output=True,
                           text=True, timeout=300)
 
 
@@ -67,6 +67,22 @@ def test_lightning_cli_with_the_example_yaml_fits_writes_and_resumes(tmp_path):
     again = cli(tmp_path, "--trainer.max_steps", "14")  # the same command continues from step 12
     assert again.returncode == 0, again.stderr[-3000:]
     assert Checkpointer(str(root)).steps()[-1] == 14
+
+
+def test_lightning_cli_with_the_memory_level_example_yaml_commits_in_memory_flushes_and_releases(tmp_path):
+    from ckpt_engine.levels.memory import job_tag
+    from ckpt_engine.config import parse_levels
+
+    disk = tmp_path / "checkpoints" / "tiny-lm-memory"
+    mem, level2 = parse_levels([{"kind": "memory", "path": "/dev/shm/ckpt-suite"}, str(disk)])
+    memory = os.path.join("/dev/shm/ckpt-suite", job_tag(mem, [level2]))
+    first = cli(tmp_path, "--trainer.max_steps", "12", config="lightning_cli_memory.yaml")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert Checkpointer(str(disk)).steps() == [10, 12]  # flushed from memory by the end of fit
+    assert not os.path.exists(memory)  # the job ended with its newest on disk: its memory released
+    again = cli(tmp_path, "--trainer.max_steps", "14", config="lightning_cli_memory.yaml")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert Checkpointer(str(disk)).steps()[-1] == 14 and not os.path.exists(memory)
 
 
 BAD_CONFIGS = [

@@ -56,8 +56,15 @@ def job_tag(spec: LevelSpec, others: Sequence[LevelSpec]) -> str:
     """The owner of the memory level ``spec``: its ``job``, else a tag of the other levels' places."""
     if spec.job:
         return spec.job
-    places = [s.location.removeprefix("file://").rstrip("/") for s in others] or [spec.location]
+    places = [_place(s.location) for s in others] or [_place(spec.location)]
     return "job-" + xxhash.xxh3_64_hexdigest("\n".join(places).encode())[:12]
+
+
+def _place(location: str) -> str:
+    """A level's location as the job's identity: a local path made absolute (the same directory
+    from any working directory), a URL as it is."""
+    path = location.removeprefix("file://")
+    return path.rstrip("/") if "://" in path else os.path.abspath(path)
 
 
 def node_dir(spec: LevelSpec, job: str, node: str) -> str:
