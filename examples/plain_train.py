@@ -25,6 +25,11 @@ resumes. torchrun can also restart it for you (the kill fires only in the first 
 
 (``--standalone`` matters: with torch 2.13's default static rendezvous the restarted ranks fail
 to reconnect in gloo's connectFullMesh.)
+
+With ``--memory /dev/shm/ckpt-suite`` the checkpoints commit in each node's memory first, each rank's
+part replicated to a rank on another node, and ``--dir`` receives them in the background: on two
+nodes (``--nnodes 2 --node-rank 0|1 --master-addr HOST``) a job that lost a node resumes from the
+other node's memory.
 """
 
 from __future__ import annotations
@@ -199,6 +204,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--every", type=int, default=10, help="checkpoint every N steps (0: never)")
     p.add_argument("--dir", required=True, help="checkpoint root (local path or fsspec URL)")
     p.add_argument("--keep-last", type=int, default=3)
+    p.add_argument("--memory", default=None, metavar="TMPFS_DIR",
+                   help="a node-memory level first (e.g. /dev/shm/ckpt-suite), --dir flushed from it")
     p.add_argument("--batch-size", type=int, default=16, help="per rank")
     p.add_argument("--kill-at-step", type=int, default=None,
                    help="SIGKILL every rank right after this step (first incarnation only under torchrun)")
@@ -232,7 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     random.seed(SEED + 1 + rank)
     np.random.seed(SEED + 1 + rank)
 
-    ck = Checkpointer(args.dir, comm=TorchDistComm(), keep_last=args.keep_last)
+    where = {"path": args.dir}
+    if args.memory:  # node memory first (replicated to a rank of another node), the directory flushed from it
+        where = {"levels": [{"kind": "memory", "path": args.memory}, args.dir]}
+    ck = Checkpointer(**where, comm=TorchDistComm(), keep_last=args.keep_last)
     step, epoch, skip, resumed_from, restore_s = 0, 0, 0, None, None
     if ck.latest_step() is not None:
         t0 = time.perf_counter()

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from helpers import assert_same  # noqa: E402
-from ranks import kill_tree, start_ranks  # noqa: E402
+from ranks import free_port, kill_tree, start_ranks  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 LIGHTNING_WORKER = os.path.join(os.path.dirname(__file__), "lightning_worker.py")
@@ -133,9 +133,10 @@ def _memory_steps(mem: Path, node: int, writer: int) -> list[int]:
 def test_horovod_hook_resumes_a_lost_node_and_a_lost_disk_from_the_other_nodes_memory_bit_identical(tmp_path):
     """2 hosts x 1 rank; every process SIGKILLed mid-epoch, node 1's memory and the whole disk level
     deleted: the only copy left is node 0's memory (its own part and node 1's replica)."""
-    config = tmp_path / "ckpt.yaml"
-    config.write_text(f"levels:\n  - {{kind: memory, path: {tmp_path / 'mem'}, job: hvd}}\n  - {tmp_path / 'ck'}\n"
-                      "every_n_steps: 5\nkeep_last: 2\n")
+    config = tmp_path / "ckpt.yaml"  # the example's file, with this test's places
+    config.write_text((ROOT / "examples" / "horovod_ckpt_memory.yaml").read_text()
+                      .replace("path: /dev/shm/ckpt-suite,", f"path: {tmp_path / 'mem'}, job: hvd,")
+                      .replace("/tmp/hvd-ck", str(tmp_path / "ck")).replace("every_n_steps: 2", "every_n_steps: 5"))
     ref, run = tmp_path / "ref", tmp_path / "run"
     for d in (ref, ref / "log", run, run / "log"):
         d.mkdir()
@@ -164,3 +165,36 @@ def test_horovod_hook_resumes_a_lost_node_and_a_lost_disk_from_the_other_nodes_m
         a = torch.load(ref / "out" / f"final-rank{rank}.pt", weights_only=False)
         b = torch.load(run / "out" / f"final-rank{rank}.pt", weights_only=False)
         assert_same(a, b)
+
+
+# ---- the core: examples/plain_train.py under torchrun, two simulated nodes ------------------------------
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+
+
+def _torchrun_two_nodes(base: Path, ck: Path, *args: str, expect_ok: bool = True) -> str:
+    """The example on 2 nodes of 1 rank (two torchrun agents, ``--nnodes 2``: ``GROUP_RANK`` 0 and 1)."""
+    port = str(free_port())
+    agents = [subprocess.Popen([str(TORCHRUN), "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1",
+                                "--master-addr", "127.0.0.1", "--master-port", port,
+                                str(ROOT / "examples" / "plain_train.py"), "--steps", "40", "--every", "5",
+                                "--dir", str(ck), "--memory", str(base / "mem"), *args],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                               env=dict(os.environ, OMP_NUM_THREADS="1")) for n in range(2)]
+    outs = [a.communicate(timeout=300)[0] for a in agents]
+    if expect_ok:
+        assert all(a.returncode == 0 for a in agents), outs[0][-3000:] + outs[1][-3000:]
+    return outs[0]
+
+
+def test_plain_ddp_under_torchrun_resumes_a_lost_node_and_a_lost_disk_from_memory_bit_identical(tmp_path):
+    _torchrun_two_nodes(tmp_path, tmp_path / "ref-ck", "--out-weights", str(tmp_path / "ref.pt"))
+    out = _torchrun_two_nodes(tmp_path, tmp_path / "ck", "--kill-at-step", "23", expect_ok=False)
+    assert "simulated crash" in out, out[-3000:]
+    [job] = os.listdir(tmp_path / "mem")
+    shutil.rmtree(tmp_path / "mem" / job / "node-1")
+    shutil.rmtree(tmp_path / "ck")  # only node 0's memory holds the checkpoint now
+    out = _torchrun_two_nodes(tmp_path, tmp_path / "ck", "--out-weights", str(tmp_path / "run.pt"))
+    assert "RESUMED from committed checkpoint at step 20" in out, out[-3000:]
+    a, b = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "run.pt")
+    assert a.keys() == b.keys() and all(torch.equal(v, b[k]) for k, v in a.items())
+    assert os.listdir(tmp_path / "mem") == []  # the clean end released the memory

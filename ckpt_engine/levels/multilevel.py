@@ -231,16 +231,17 @@ class MultiLevel:
     def steps(self) -> list[int]:
         """Committed steps this process can see on any level, oldest first (no communication).
 
-        A node-local level 1 contributes the steps every rank had there at start (a restore from it
-        needs every rank), and on a memory level those whose every part this node holds now;
-        shared levels are listed now.
+        A node-local level 1 contributes the steps every rank could assemble there at start (the
+        same on every rank), and on a memory level the steps saved since whose every part this
+        node holds now; shared levels are listed now.
         """
         found: set[int] = set()
         for level in self.levels:
             if level.node_local:
                 found |= {step for step, _ in self.complete}
                 if self.node is not None:
-                    found |= {step for step, _, _ in assemblable([self.held()], self.world_size)}
+                    found |= {step for step, d, _ in assemblable([self.held()], self.world_size)
+                              if parse_dir(d)[1].startswith(self.generation)}  # type: ignore[index]
             else:
                 found |= {e.step for e in committed(level.storage)}
         return sorted(found)
