@@ -137,7 +137,8 @@ class Checkpointer:
         if self._dest.buffers is not None:
             self._pool.make = self._dest.buffers
         self._worker = PersistWorker(self.storage, self._pool, commit_timeout, self._persisted, tally=self._tally,
-                                     keep_last=self.keep_last, make_room=self._dest.make_room)
+                                     keep_last=self.keep_last, make_room=self._dest.make_room,
+                                     full_is_warning=self._dest.full_is_warning)
         self._pending: SaveHandle | None = None
         self._seq = 0
         self._last_dir: str | None = None

@@ -54,6 +54,8 @@ class Destination(Protocol):
     """This incarnation's tag (see :func:`new_generation`), agreed at open."""
     make_room: bool
     """Whether persist may delete committed checkpoints beyond ``keep_last - 1`` when the storage is full."""
+    full_is_warning: bool
+    """Whether a save that found level 1 full is a warning whatever ``on_error`` (a memory level)."""
     buffers: Callable[[int, bool], Any] | None
     """What makes the snapshot buffers, when not ordinary host memory (a memory level: files of it)."""
 

@@ -139,13 +139,17 @@ class PersistWorker:
     (the checkpointer's) gets ``failed`` (each failed save, once) and ``disk_full`` (each save
     whose write found the storage full: failed, or saved after making room). ``make_room``: under
     ``ENOSPC``, remove committed checkpoints beyond ``keep_last - 1`` and write again, once
-    (single-level checkpointers with ``keep_last``; see ``failure.py``).
+    (single-level checkpointers with ``keep_last``; see ``failure.py``). ``full_is_warning``: a
+    save that failed because the storage is full is reported as a :class:`CheckpointWarning`
+    whatever ``on_error`` says (a memory level: the job goes on, its earlier checkpoints and the
+    slower levels stay as they are, and the next save that fits commits).
     """
 
     def __init__(self, storage: Storage, pool: BufferPool, commit_timeout: float,
                  on_finished: Callable[[PersistJob], None], *, tally: Tally | None = None,
-                 keep_last: int | None = None, make_room: bool = False) -> None:
+                 keep_last: int | None = None, make_room: bool = False, full_is_warning: bool = False) -> None:
         self._storage = storage
+        self._full_is_warning = full_is_warning
         self._pool = pool
         self._timeout = commit_timeout
         self._on_finished = on_finished
@@ -253,7 +257,8 @@ class PersistWorker:
             self._count("disk_full")
         job.record.error = f"{type(error).__name__}: {error}"
         self._count("failed")
-        self._report(error)
+        full = self._full_is_warning and failure.is_disk_full(error)
+        self._report(CheckpointWarning(f"checkpoint not saved: {error}; training goes on") if full else error)
         failure.discard_rank(self._storage, job.dirname, job.rank)
         if job.world_size > 1:
             try:

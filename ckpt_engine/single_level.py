@@ -29,6 +29,7 @@ class SingleLevel:
     """A :class:`~ckpt_engine.destination.Destination` of one path (one level)."""
 
     make_room = True
+    full_is_warning = False
     buffers = None
     """Snapshot buffers are ordinary host memory (a memory level makes them files: levels/buffers.py)."""
 

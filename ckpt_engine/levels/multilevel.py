@@ -61,6 +61,8 @@ class MultiLevel:
         self._keep_fast = self.fast.keep_last
         self._admitted = False
         self._drained = False
+        self.full_is_warning = self.nodes is not None
+        """A full memory level is a warning: the job goes on, the slower levels keep what they have."""
         self.buffers: FileBuffers | None = None
         """A memory level: the rank's snapshot buffers are files of it (levels/buffers.py)."""
         if self.node is not None and self.fast.storage.protocol == "file":
