@@ -364,20 +364,30 @@ def set_page_cache(ctx: "RankCtx", paths: Sequence[str], cold: bool) -> None:
     ``posix_fadvise(DONTNEED)``, which drops clean pages without root, unlike ``drop_caches``) or
     in it (read through once); done by rank 0 for the node, then a barrier."""
     ctx.barrier()
-    if ctx.rank == 0:
+    if ctx.rank == 0 and cold:
+        drop_page_cache(paths)
+    elif ctx.rank == 0:
         chunk = memoryview(bytearray(16 << 20))
         for path in _files(paths):
             fd = os.open(path, os.O_RDONLY)
             try:
-                if cold:
-                    os.fsync(fd)
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                else:
-                    while os.readv(fd, [chunk]):
-                        pass
+                while os.readv(fd, [chunk]):
+                    pass
             finally:
                 os.close(fd)
     ctx.barrier()
+
+
+def drop_page_cache(paths: Sequence[str]) -> None:
+    """Every file under ``paths`` out of the page cache: ``fsync``, then ``posix_fadvise(DONTNEED)``
+    (drops clean pages without root, unlike ``drop_caches``)."""
+    for path in _files(paths):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def _files(paths: Sequence[str]) -> list[str]:

@@ -42,6 +42,7 @@ START = time.perf_counter()  # the job's first line: before torch is imported
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 
 
 def _state(mib: int):
@@ -118,18 +119,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _drop_cache(root: str) -> None:
-    for d, _, names in os.walk(root):
-        for name in names:
-            fd = os.open(os.path.join(d, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def main() -> None:
+    from _common import drop_page_cache
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--mib", type=int, default=512, help="replicated state, MiB")
@@ -154,7 +146,7 @@ def main() -> None:
         for i in range(args.rounds):
             for mode in (("memory", "disk_cold") if i % 2 == 0 else ("disk_cold", "memory")):
                 if mode == "disk_cold":
-                    _drop_cache(args.disk)
+                    drop_page_cache([args.disk])
                 rows[mode].append(_run(args, "memory" if mode == "memory" else "disk"))
         report(args, rows)
     finally:

@@ -53,7 +53,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import MemProbe, Metrics, MiB, RankCtx, byte_view, summary, timed, timed_save  # noqa: E402
+from _common import (MemProbe, Metrics, MiB, RankCtx, byte_view, drop_page_cache, summary, timed,  # noqa: E402
+                     timed_save)
 from bench_save import RawWriter, _slowest, spawn_ranks  # noqa: E402
 
 PEERS = ("lightning", "dcp_save", "dcp_async", "dcp_async_stager", "dcp_async_process")
@@ -177,14 +178,7 @@ def evict(ctx: RankCtx, root: str) -> None:
     """Drop every file under ``root`` from the page cache (after every rank wrote), so a restore reads the device."""
     ctx.barrier()
     if ctx.rank == 0:
-        for base, _, files in os.walk(root):
-            for name in files:
-                fd = os.open(os.path.join(base, name), os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
+        drop_page_cache([root])
     ctx.barrier()
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -114,3 +116,21 @@ def claim_bytes(root: str, dirname: str, tensor: int, nbytes: int) -> str:
                                 index_xxh3=xxhash.xxh3_64_hexdigest(raw_index))
     open(mpath, "wb").write(seal(json.dumps(manifest).encode()))
     return f"'{meta[3]}'"
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(where, size: str):
+    """A real tmpfs of ``size`` (``"4m"``) mounted at the new directory ``where`` for the block
+    (needs root in this sandbox: the test is skipped where mounting is not permitted)."""
+    import subprocess
+
+    import pytest
+
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)

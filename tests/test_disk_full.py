@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
 import uuid
 
 import pytest
@@ -20,6 +19,7 @@ from ckpt_engine import Checkpointer, CheckpointWarning, DiskFullError
 from ckpt_engine.storage import Storage
 from ckpt_engine.testing import SequentialComm
 from ckpt_engine.testing import FailingStorage
+from helpers import mounted_tmpfs
 
 
 def state(v: float, rows: int = 300) -> dict:
@@ -176,15 +176,8 @@ def test_two_ranks_one_disk_full_nothing_committed_every_rank_file_removed(tmp_p
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A real 4 MiB tmpfs (needs root in this sandbox; skipped where mounting is not permitted)."""
-    where = tmp_path / f"tmpfs-{uuid.uuid4().hex[:8]}"
-    where.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(where)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / f"tmpfs-{uuid.uuid4().hex[:8]}", "4m") as where:
         yield where
-    finally:
-        subprocess.run(["umount", str(where)], check=True)
 
 
 def test_real_full_tmpfs_a_failed_save_frees_its_space(small_tmpfs):

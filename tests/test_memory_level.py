@@ -23,6 +23,7 @@ from ckpt_engine.levels.open import assemblable
 
 sys.path.insert(0, os.path.dirname(__file__))
 from dist_worker import digest, make_local, make_state  # noqa: E402
+from helpers import mounted_tmpfs  # noqa: E402
 from ranks import kill_job, lines_of, start_ranks  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(__file__), "memory_worker.py")
@@ -238,15 +239,8 @@ def test_without_replicas_a_lost_node_falls_back_to_the_disk(tmp_path):
 @pytest.fixture
 def tiny_tmpfs(tmp_path):
     """A real 8 MiB tmpfs (needs root in this sandbox; skipped where mounting is not permitted)."""
-    where = tmp_path / "shm"
-    where.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(where)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "shm", "8m") as where:
         yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=True)
 
 
 def test_a_full_tmpfs_is_a_counted_failure_training_goes_on_and_the_disk_keeps_its_checkpoints(tiny_tmpfs, tmp_path):
