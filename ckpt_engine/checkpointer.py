@@ -259,13 +259,16 @@ class Checkpointer:
             self._dest.drain(self.commit_timeout if timeout is None else timeout)
         self._raise_flush_error()
 
-    def close(self, timeout: float | None = None) -> None:
+    def close(self, timeout: float | None = None, *, release_memory: bool = True) -> None:
         """Wait for pending saves (and, multi-level, flushes: up to ``timeout`` seconds, default
         ``commit_timeout``), then stop the background threads. Idempotent.
 
         A flush still unfinished after ``timeout`` raises :class:`CheckpointError` (warns with
         ``on_error="warn"``); its checkpoint stays committed on the first level and the next
-        start flushes the newest one again.
+        start flushes the newest one again. A memory level is released (its node directory
+        removed) when every slower level holds its newest checkpoint, unless ``release_memory=False``
+        (a job ending on an error keeps it for its restart; the next start of another job on the
+        node removes it once no process of this job is alive).
         """
         if self._closed:
             return
@@ -280,7 +283,7 @@ class Checkpointer:
             self._closed = True
             self._worker.stop()
             self._raise_background_error("warn")
-            self._warn_retention(self._dest.close())
+            self._warn_retention(self._dest.close(release_memory))
             self._snapshots.close()
 
     def __enter__(self) -> "Checkpointer":

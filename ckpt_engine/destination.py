@@ -94,8 +94,9 @@ class Destination(Protocol):
         """Failed retention deletes since the last call (``wait``: after the pending ones finished)."""
         ...
 
-    def close(self) -> list[BaseException]:
-        """Last call: final retention, stop the background threads; the retention failures left."""
+    def close(self, release_memory: bool = True) -> list[BaseException]:
+        """Last call: final retention, stop the background threads (a memory level: release it when
+        ``release_memory`` and the slower levels hold its newest); the retention failures left."""
         ...
 
     def steps(self) -> list[int]:

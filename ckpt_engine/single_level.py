@@ -78,7 +78,7 @@ class SingleLevel:
     def retention_failures(self, wait: bool) -> list[BaseException]:
         return self._retention.failures(wait)
 
-    def close(self) -> list[BaseException]:
+    def close(self, release_memory: bool = True) -> list[BaseException]:
         return self._retention.shutdown()
 
     # ---- reading --------------------------------------------------------------------------------

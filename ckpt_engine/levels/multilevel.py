@@ -215,7 +215,7 @@ class MultiLevel:
     def retention_failures(self, wait: bool) -> list[BaseException]:
         return self._retention.failures(wait)
 
-    def close(self) -> list[BaseException]:
+    def close(self, release_memory: bool = True) -> list[BaseException]:
         """Level-1 retention once more (what the drained flushes no longer protect), then stop the
         flushers (a copy in progress goes on in its daemon thread)."""
         if self._last_committed is not None:
@@ -225,7 +225,7 @@ class MultiLevel:
             flusher.stop(0.0)
         if self.replicator is not None:
             self.replicator.stop()
-        if self.node is not None and self._drained and len(self.levels) > 1:
+        if self.node is not None and release_memory and self._drained and len(self.levels) > 1:
             remove_node_dir(self.node.path(""))  # the slower levels hold its newest checkpoint
         return failures
 

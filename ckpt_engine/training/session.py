@@ -241,19 +241,20 @@ class TrainingSession:
                           f"committed: {e}", stacklevel=3)
         finally:
             try:
-                self.close()
+                self.close(release_memory=False)  # a restart resumes from this node's memory
             except Exception as e:
                 warnings.warn(f"{self.name}: closing after {type(error).__name__}: {e}", stacklevel=3)
 
-    def close(self) -> None:
+    def close(self, *, release_memory: bool = True) -> None:
         """Give the signals back, wait for pending saves (and flushes), stop the background
-        threads. Idempotent; :meth:`start` may open the session again."""
+        threads (``release_memory``: see ``Checkpointer.close``). Idempotent; :meth:`start` may
+        open the session again."""
         if self._stop is not None:
             self._stop.uninstall()
             self._stop = None
         ck, self.ck, self._handle = self.ck, None, None
         if ck is not None:
-            ck.close()
+            ck.close(release_memory=release_memory)
 
     # ---- helpers ------------------------------------------------------------------------------
     def _envelope(self, capture: Capture | None) -> tuple[dict[str, Any], dict[str, Any]]:
