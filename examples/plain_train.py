@@ -263,10 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         log(f"fresh start: {sum(p.numel() for p in model.parameters()):,} parameters, corpus {len(corpus):,} chars, "
             f"vocab {len(ds.chars)}, {len(ds)} windows, {per_epoch} steps/epoch x {world} ranks x {args.batch_size}")
-    # find_unused_parameters=True: DDP then never rebuilds its gradient buckets, so a resumed process
-    # reduces gradients in the same order as an uninterrupted one (on more than 2 ranks a float sum
-    # depends on that order; otherwise the first update after a restart differs in the last bits).
-    ddp = DDP(model, find_unused_parameters=True)
+    # On more than 2 ranks, find_unused_parameters=True: DDP then never rebuilds its gradient buckets,
+    # so a resumed process reduces gradients in the same order as an uninterrupted one (a float sum of
+    # more than two terms depends on that order; otherwise the first update after a restart differs
+    # in the last bits). On 2 ranks the order cannot matter and DDP would warn that the flag costs.
+    ddp = DDP(model, find_unused_parameters=world > 2)
 
     # A dedicated generator: a DataLoader draws a seed per iterator, and drawing it from the
     # global torch RNG would shift the dropout stream differently in a resumed run.
