@@ -49,8 +49,9 @@ import torch
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from ckpt_engine.storage import Storage
 from lightning_ckpt import AsyncShardedCheckpoint
+
+from _slow_storage import SLOW, SlowStorage  # bench_overhead's slow runs (run(slow_at_step=...))
 
 TARGET_VS_PEER = 1 / 3
 """Issue target: our overhead at most a third of the best peer's at the same interval."""
@@ -286,21 +287,7 @@ class Timer(Callback):
 
 
 # ---- slow storage (bench_overhead) ------------------------------------------------------------------
-SLOW: dict[str, Any] = {"on": False, "sleep_s": 0.0, "seconds_per_byte": 0.0, "writes": 0}
-"""Switch of :class:`SlowStorage`, flipped from the training thread by :class:`SlowSwitch`."""
-
-
-class SlowStorage(Storage):
-    """Local storage whose data-file writes sleep ``sleep_s + bytes * seconds_per_byte`` once
-    :data:`SLOW` is on (a slower disk or network for the persist thread, no CPU cost)."""
-
-    def write_stream(self, rel: str, chunks: Any, *, sync_dir: bool = True) -> int:
-        if SLOW["on"]:
-            chunks = list(chunks)
-            nbytes = sum(memoryview(c).nbytes for c in chunks)
-            SLOW["writes"] += 1
-            time.sleep(SLOW["sleep_s"] + nbytes * SLOW["seconds_per_byte"])
-        return super().write_stream(rel, chunks, sync_dir=sync_dir)
+# SLOW and SlowStorage live in _slow_storage (it imports no Lightning: the Transformer fits use it too).
 
 
 class SlowSwitch(Callback):

@@ -4,17 +4,43 @@ Each fit runs in a fresh process (``_transformer_job.run_fit``); the contenders 
 round (the order rotates), and each figure of a contender is its minimum over the rounds (the
 least disturbed fit on a shared machine), overheads taken against the minimum of no
 checkpointing. Verdict: ours' overhead ÷ the best peer's, CPU and wall, target ≤ 1/3.
+
+With the node-memory contenders (``_transformer_job.MEMORY_CONTENDERS``, a disk slowed to
+``disk_mb_s``) a second section (:func:`memory_markdown`): ours with the memory level every
+``every`` steps against :data:`MEMORY_TARGET` of CPU and fit wall time overhead, and at every step
+its CPU per checkpoint against :data:`FLOOR_TARGET` × the copy + checksum floor.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import tempfile
 from typing import Any, Callable
 
 from _lightning_job import LABELS, OURS, PEERS, TARGET_VS_PEER, CpuLoad, mean, median, wait_quiet
-from _transformer_job import TransformerJob, FitResult, run_fit, warm_up
+from _transformer_job import (EVERY_STEP, MEMORY_CONTENDERS, MEMORY_LEVEL, TransformerJob, FitResult, every_of,
+                              run_fit, warm_up)
+
+MEMORY_TARGET = 0.035
+"""Issue target: ours with the memory level in front of a slow disk, a checkpoint every 10 steps,
+at most 3.5 % of CPU time and of fit wall time over no checkpointing."""
+FLOOR_TARGET = 1.5
+"""Issue target: at every step, ours' CPU per checkpoint at most 1.5 × copying the state into a
+preallocated buffer and hashing it (xxh3) alone."""
+OURS_ALL = OURS + tuple(c for c in MEMORY_CONTENDERS if c.startswith("ours"))
+"""Every configuration of ours (the tables of ours' own figures)."""
+
+
+def label(c: str, job: TransformerJob) -> str:
+    """How the tables name contender ``c`` (the slow disk's rate in the memory contenders' names)."""
+    disk = f"{job.disk_mb_s:g} MB/s disk"
+    return LABELS.get(c) or {
+        "ours_disk50": f"ours, {disk} only, every {job.every}",
+        "ours_mem": f"ours, memory + {disk}, every {job.every}",
+        "ours_mem_every1": f"ours, memory + {disk}, every step",
+        "copy_hash_every1": "copy + xxh3 only, every step (floor)"}[c]
 
 
 
@@ -23,7 +49,7 @@ def measure(job: TransformerJob, contenders: list[str], rounds: int, workdir: st
     """``rounds`` rounds of one fit per contender (rotating order), after unmeasured warm-up fits;
     each fit with the foreign load (CPU cores other processes used meanwhile) it ran beside."""
     pycache = os.path.join(tempfile.gettempdir(), "ckpt-suite-bench-pycache")  # kept: compiled once per machine
-    warm_up(job, workdir, pycache)
+    warm_up(job, workdir, pycache, memory=any(c in MEMORY_LEVEL for c in contenders))
     out = []
     for rnd in range(rounds):
         k = (rnd + 1) % len(contenders)  # no checkpointing is not the first fit of the run
@@ -33,10 +59,21 @@ def measure(job: TransformerJob, contenders: list[str], rounds: int, workdir: st
             r = run_fit(job, c, workdir, rep=rnd, pycache=pycache)
             foreign = load.foreign_cores()
             out.append((r, foreign))
+            flushed = f"  flushed {r.counters['flushed']:.0f}" if "flushed" in r.counters else ""
             log(f"  transformer round {rnd} {c:10s} process CPU {r.process_cpu_s:6.2f} s  fit CPU "
-                f"{r.fit_cpu_s:6.2f} s  fit wall {r.fit_wall_s:6.2f} s  ckpts {r.n_ckpt:2d}  foreign load "
-                f"{foreign:.2f} cores")
+                f"{r.fit_cpu_s:6.2f} s  fit wall {r.fit_wall_s:6.2f} s  ckpts {r.n_ckpt:2d}{flushed}  foreign load "
+                f"{foreign:.2f} cores{'  LEFT IN /dev/shm: ' + str(len(r.shm_left)) if r.shm_left else ''}")
     return out
+
+
+def resummarize(saved: dict[str, Any]) -> dict[str, Any]:
+    """The Transformer section (``{"summary", "fits"}``) again from the fits a run saved (its JSON's
+    ``transformer``), with this module's figures: a saved run re-rendered without new fits."""
+    fields = {f.name for f in dataclasses.fields(TransformerJob)}
+    job = TransformerJob(**{k: v for k, v in saved["summary"]["job"].items() if k in fields})
+    fits = [(FitResult(**{k: v for k, v in f.items() if k != "foreign_cores"}), f["foreign_cores"])
+            for f in saved["fits"]]
+    return {"summary": summarize(job, fits, list(saved["summary"]["rows"])), "fits": saved["fits"]}
 
 
 LOCAL = {"wall": 0, "main_cpu": 1, "cpu": 2}
@@ -73,15 +110,16 @@ def summarize(job: TransformerJob, measured: list[tuple[FitResult, float]], cont
     foreign = {c: [f for r, f in measured if r.contender == c] for c in contenders}
     base = by["none"]
     base_by_round = {r.rep: r for r in base}
-    ref = {k: min(getattr(r, k) for r in base) for k in ("process_cpu_s", "fit_cpu_s", "fit_wall_s")}
+    ref = {k: min(getattr(r, k) for r in base) for k in ("process_cpu_s", "fit_cpu_s", "fit_wall_s", "end_wall_s")}
     rows: dict[str, Any] = {}
     for c in contenders:
         rs = by[c]
+        every = every_of(job, c)
         best = {k: min(getattr(r, k) for r in rs) for k in ref}
         n = median([float(r.n_ckpt) for r in rs])
         figs = [f for r in rs for f in r.figures if f.get("kind", "save") == "save"]
         row: dict[str, Any] = {
-            "label": LABELS[c], "rounds": len(rs), **{f"{k}_min": v for k, v in best.items()},
+            "label": label(c, job), "every": every, "rounds": len(rs), **{f"{k}_min": v for k, v in best.items()},
             **{f"{k}_median": median([getattr(r, k) for r in rs]) for k in ref},
             **{f"{k}_overhead": best[k] / ref[k] - 1 for k in ref},
             "per_round_cpu": [r.process_cpu_s for r in rs], "per_round_wall": [r.fit_wall_s for r in rs],
@@ -96,20 +134,66 @@ def summarize(job: TransformerJob, measured: list[tuple[FitResult, float]], cont
             "extra_cpu_per_ckpt_ms": (best["process_cpu_s"] - ref["process_cpu_s"]) / n * 1e3 if n else math.nan,
             "torch_save_cpu_ms": mean([cpu * 1e3 for r in rs for _, _, cpu in r.torch_save]),
             "import_cpu_ms": median([r.import_cpu_ms for r in rs]),
-            "clean_step_ms": median([_clean_step(r, job.every) * 1e3 for r in rs]),
+            "clean_step_ms": median([_clean_step(r, every) * 1e3 for r in rs]),
         }
         for key, i, total in (("dc_cpu_overhead", 2, "fit_cpu_s"), ("dc_wall_overhead", 0, "fit_wall_s")):
             dc = [_drift_corrected(r, base_by_round[r.rep], job, i, total) for r in rs if r.rep in base_by_round]
+            if c in EVERY_STEP:  # no step is clear of a checkpoint: no clean step to correct by
+                dc = [math.nan for _ in dc]
             row[key], row[f"{key}_per_round"] = median(dc), dc
-        local = [local_costs(r, job.every) for r in rs]
+        local = [local_costs(r, job.every) for r in rs] if c not in EVERY_STEP else []
         for name in LOCAL:
             row[f"local_{name}_ms"] = mean([x * 1e3 for lc in local for x in lc[name]])
         for key in ("encode_cpu_ms", "snapshot_cpu_ms", "persist_cpu_ms", "commit_cpu_ms", "stall_ms"):
             row[key] = mean([f[key] for f in figs if key in f])
+        if c in MEMORY_CONTENDERS:
+            row.update(_memory_figures(rs, base_by_round, ref))
         rows[c] = row
     return {"job": {**job.__dict__, "params": base[0].params, "state_mb": base[0].params * 12 / 1e6},
             "rows": rows, "cpu_spread": _spread([r.process_cpu_s for r in base]),
             "wall_spread": _spread([r.fit_wall_s for r in base])}
+
+
+def _memory_figures(rs: list[FitResult], base_by_round: dict[int, FitResult], ref: dict[str, float]
+                    ) -> dict[str, Any]:
+    """The node-memory section's figures of one contender (see :func:`memory_markdown`)."""
+    committed = [float(sum(1 for f in r.figures if f.get("kind", "save") == "save" and f.get("committed")))
+                 if r.figures else float(r.n_ckpt) for r in rs]
+    n = median(committed)
+    paired = [(r.process_cpu_s - base_by_round[r.rep].process_cpu_s) / k * 1e3
+              for r, k in zip(rs, committed) if r.rep in base_by_round and k]
+    flushes = [f for r in rs for f in r.figures if f.get("kind") == "flush" and f.get("committed")]
+    steady = [cpu for r in rs for _, cpu in r.copy_hash[1:]]
+    own = [_own_cpu_s(r) for r in rs]
+    return {
+        "own_cpu_per_ckpt_ms": median([o / k * 1e3 for o, k in zip(own, committed) if k]),
+        "own_cpu_overhead": median([(o + r.import_cpu_ms / 1e3) / (r.process_cpu_s - o - r.import_cpu_ms / 1e3)
+                                    for o, r in zip(own, rs)]),
+        "committed": n, "saves_skipped": median([r.counters.get("skipped", 0.0) for r in rs]),
+        "waited_s": median([r.counters.get("waited_s", math.nan) for r in rs]),
+        "flushed": median([r.counters.get("flushed", math.nan) for r in rs]),
+        "flush_skipped": median([r.counters.get("flush_skipped", math.nan) for r in rs]),
+        "flush_lag_ms": mean([f["lag_ms"] for f in flushes]), "flush_copy_ms": mean([f["copy_ms"] for f in flushes]),
+        "flush_thread_cpu_s": median([r.threads_cpu_s.get("ckpt-flush-1", math.nan) for r in rs]),
+        "end_wall_s_overhead": min(r.end_wall_s for r in rs) / ref["end_wall_s"] - 1,
+        "final_wait_s": median([r.fit_wall_s - r.end_wall_s for r in rs]),
+        "cpu_per_ckpt_ms": (min(r.process_cpu_s for r in rs) - ref["process_cpu_s"]) / n * 1e3 if n else math.nan,
+        "cpu_per_ckpt_paired_ms": median(paired), "cpu_per_ckpt_paired_per_round": paired,
+        "floor_thread_cpu_ms": mean([cpu * 1e3 for r in rs for _, cpu in r.copy_hash]) if steady else math.nan,
+        "floor_thread_cpu_steady_ms": mean([cpu * 1e3 for cpu in steady]) if steady else math.nan,
+        "floor_wall_steady_ms": mean([w * 1e3 for r in rs for w, _ in r.copy_hash[1:]]) if steady else math.nan,
+        "shm_left_fits": sum(1 for r in rs if r.shm_left),
+        "shm_left_example": next((r.shm_left[:5] for r in rs if r.shm_left), []),
+    }
+
+
+def _own_cpu_s(r: FitResult) -> float:
+    """CPU seconds the fit's checkpoint work took on the threads that ran it: the training thread's
+    part of each checkpoint (ours' ``train_cpu_ms``; the floor's copy and hash) and every Python
+    thread but the main one (ours' ``ckpt-*``). Within one fit, so not blurred by the drift between
+    fits that the process CPU differences are; blind to indirect costs (a training step slowed by
+    the caches and memory bandwidth a background copy takes)."""
+    return sum(x for x in r.train_cpu_ms if x == x) / 1e3 + _background(r)
 
 
 def _clean_step(r: FitResult, every: int, i: int = 0) -> float:
@@ -197,7 +281,7 @@ def markdown(s: dict[str, Any]) -> list[str]:
     lines += ["", *verdicts(s), "", "Where ours' CPU goes per checkpoint (`figures.jsonl`, mean; ms):", "",
               "| configuration | training thread (`train_cpu_ms`) | encode + layout | copy (all threads) "
               "| persist (hash + write) | commit | stall ms |", "|---|---|---|---|---|---|---|"]
-    for name in (o for o in OURS if o in rows):
+    for name in (o for o in OURS_ALL if o in rows):
         r = rows[name]
         lines.append(f"| {r['label']} | {_f(r['train_cpu_ms'])} | {_f(r['encode_cpu_ms'])} "
                      f"| {_f(r['snapshot_cpu_ms'])} | {_f(r['persist_cpu_ms'])} | {_f(r['commit_cpu_ms'])} "
@@ -215,4 +299,108 @@ def markdown(s: dict[str, Any]) -> list[str]:
               "thread (ours: `train_cpu_ms`, Lightning's: `ModelCheckpoint._save_checkpoint`, whose "
               "AsyncCheckpointIO clone runs there). Background CPU: the Python threads other than the main one "
               "(ours' `ckpt-*`, AsyncCheckpointIO's `ThreadPoolExecutor`).", ""]
+    if any(c in rows for c in MEMORY_CONTENDERS):
+        lines += memory_markdown(s)
+    return lines
+
+
+def _pct(x: float) -> str:
+    return "-" if x != x else f"{x * 100:+.1f} %"
+
+
+def _verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def memory_verdicts(s: dict[str, Any]) -> list[str]:
+    """The node-memory targets: :data:`MEMORY_TARGET` (every ``every`` steps) and :data:`FLOOR_TARGET` (every step)."""
+    rows, j, lines = s["rows"], s["job"], []
+    none = rows["none"]
+    per_step_noise = s["cpu_spread"] * none["process_cpu_s_min"] / j["steps"] * 1e3
+    foreign = max(r["foreign_cores_max"] for r in rows.values())
+    if "ours_mem" in rows:
+        r = rows["ours_mem"]
+        cpu, own, wall, end = (r["process_cpu_s_overhead"], r["own_cpu_overhead"], r["fit_wall_s_overhead"],
+                               r["end_wall_s_overhead"])
+        lines.append(f"- memory + {j['disk_mb_s']:g} MB/s disk, every {j['every']}, CPU time (target ≤ "
+                     f"{MEMORY_TARGET * 100:g} %): whole process {_pct(cpu)} → {_verdict(cpu <= MEMORY_TARGET)}; "
+                     f"the checkpoint threads' own CPU ÷ the rest of the fit's {_pct(own)} → "
+                     f"{_verdict(own <= MEMORY_TARGET)} (no-checkpointing fits spread {s['cpu_spread'] * 100:.1f} %)")
+        lines.append(f"- memory + {j['disk_mb_s']:g} MB/s disk, every {j['every']}, wall time (target ≤ "
+                     f"{MEMORY_TARGET * 100:g} %): fit {_pct(wall)} → {_verdict(wall <= MEMORY_TARGET)}, of which "
+                     f"{r['final_wait_s']:.1f} s (median) is `fit` waiting at its end for the disk to hold the last "
+                     f"checkpoint; training alone (up to `on_train_end`) {_pct(end)} → "
+                     f"{_verdict(end <= MEMORY_TARGET)} (no-checkpointing fits spread {s['wall_spread'] * 100:.1f} %"
+                     + (f"; other processes used up to {foreign:.2f} of {os.cpu_count()} cores during these fits: "
+                        "wall-time figures not conclusive" if foreign > 0.3 else "") + ")")
+        if "ours_disk50" in rows:
+            d = rows["ours_disk50"]
+            lines.append(f"- the same disk as the only level, every {j['every']}: process CPU "
+                         f"{_pct(d['process_cpu_s_overhead'])} (own {_pct(d['own_cpu_overhead'])}), fit wall "
+                         f"{_pct(d['fit_wall_s_overhead'])}, training alone {_pct(d['end_wall_s_overhead'])}; saves "
+                         f"waited {d['waited_s']:.1f} s per fit for the disk")
+    if "ours_mem_every1" in rows and "copy_hash_every1" in rows:
+        r, f = rows["ours_mem_every1"], rows["copy_hash_every1"]
+        ratio = r["own_cpu_per_ckpt_ms"] / f["own_cpu_per_ckpt_ms"]
+        lines.append(f"- every step, CPU per checkpoint on the threads that do the work (target ≤ "
+                     f"{FLOOR_TARGET:g} × the floor): ours (memory + disk) {r['own_cpu_per_ckpt_ms']:.1f} ms vs "
+                     f"copy + xxh3 {f['own_cpu_per_ckpt_ms']:.1f} ms per step "
+                     f"({f['floor_thread_cpu_steady_ms']:.1f} ms without the first, which allocates the buffer): "
+                     f"{ratio:.2f} × → {_verdict(ratio <= FLOOR_TARGET)}")
+        for what, key in (("min of rounds", "cpu_per_ckpt_ms"), ("paired by round, median", "cpu_per_ckpt_paired_ms")):
+            ours, base = r[key], f[key]
+            shown = f"{ours / base:.2f} ×" if base > 0 else "- (floor ≤ 0)"
+            lines.append(f"- every step, process CPU over no checkpointing ÷ checkpoints ({what}): ours "
+                         f"{ours:.1f} ms vs copy + xxh3 {base:.1f} ms per step: {shown}; the floor is within the "
+                         f"noise here (the no-checkpointing fits' CPU spread is {per_step_noise:.0f} ms per step)")
+    left = {c: rows[c]["shm_left_fits"] for c in MEMORY_LEVEL if c in rows}
+    if left:
+        lines.append("- /dev/shm after `fit` (before the job's own clean-up): "
+                     + "; ".join(f"{rows[c]['label']}: {n} of {rows[c]['rounds']} fits left files"
+                                 + (f" (e.g. {', '.join(rows[c]['shm_left_example'])})" if n else "")
+                                 for c, n in left.items()))
+    return lines
+
+
+def memory_markdown(s: dict[str, Any]) -> list[str]:
+    """The node-memory section: ours with a memory level in front of a slow disk, and the copy + checksum floor."""
+    rows, j = s["rows"], s["job"]
+    names = ["none"] + [c for c in MEMORY_CONTENDERS if c in rows]
+    lines = [f"## Node-memory level in front of a {j['disk_mb_s']:g} MB/s disk (same rounds as above)", "",
+             "| configuration | checkpoints (committed) | saves' wait for a buffer s | flushed / skipped to disk "
+             "| flush copy ms / lag ms | process CPU overhead | own CPU overhead | fit wall overhead "
+             "| training wall overhead | final wait s | CPU per checkpoint ms: own / process Δ min / paired "
+             "| own CPU ÷ floor's |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    floor = rows["copy_hash_every1"]["own_cpu_per_ckpt_ms"] if "copy_hash_every1" in rows else math.nan
+    for c in names:
+        r = rows[c]
+        mem = c in MEMORY_CONTENDERS
+        own = r.get("own_cpu_per_ckpt_ms", math.nan)
+        lines.append(
+            f"| {r['label']} | {r['committed'] if mem else 0:.0f} | {_f(r.get('waited_s', math.nan))} "
+            f"| {_f(r.get('flushed', math.nan), '{:.0f}')} / {_f(r.get('flush_skipped', math.nan), '{:.0f}')} "
+            f"| {_f(r.get('flush_copy_ms', math.nan), '{:.0f}')} / {_f(r.get('flush_lag_ms', math.nan), '{:.0f}')} "
+            f"| {_pct(r['process_cpu_s_overhead'])} | {_pct(r.get('own_cpu_overhead', 0.0))} "
+            f"| {_pct(r['fit_wall_s_overhead'])} | {_pct(r.get('end_wall_s_overhead', 0.0))} "
+            f"| {_f(r.get('final_wait_s', math.nan))} | {_f(own)} / {_f(r.get('cpu_per_ckpt_ms', math.nan))} / "
+            f"{_f(r.get('cpu_per_ckpt_paired_ms', math.nan))} "
+            f"| {_f(own / floor if mem and floor > 0 else math.nan, '{:.2f}')} |")
+    lines += ["", *memory_verdicts(s), "",
+              f"Notes: the disk is this machine's, paced to at most {j['disk_mb_s']:g} MB/s per data-file write "
+              "(`_slow_storage.SlowStorage`: a write takes at least bytes ÷ rate, the real write included); the "
+              "memory level is a directory below `/dev/shm` named for the fit. Checkpoints = saves committed on "
+              "the first level (every step: from step 2, the first step reserves the buffers); flushed / skipped = "
+              "the memory level's checkpoints copied to the disk or passed over (newest first: the disk takes what "
+              "it can). Fit wall = `trainer.fit` whole, which ends when the disk holds the last checkpoint; "
+              "training wall = `fit` up to the first `on_train_end` hook, before that wait (final wait = the "
+              "difference). Own CPU = CPU of the threads doing the checkpoint work, within each fit: the training "
+              "thread's part of each checkpoint (`train_cpu_ms`; for the floor its copy and hash) plus every Python "
+              "thread but the main one (`ckpt-*`); own CPU overhead = that plus ours' import ÷ the rest of the "
+              "fit's process CPU (median over rounds); it leaves out indirect costs (training slowed by the caches "
+              "and memory bandwidth a background copy takes), which the process CPU difference includes with the "
+              "drift between fits. Process Δ = (process CPU − that of no checkpointing) ÷ checkpoints: min = of "
+              "the minima over rounds, paired = the median over rounds of each fit against the no-checkpointing fit of "
+              "its round; for the floor, ÷ steps. The floor copies the parameters, buffers and optimizer tensors "
+              "into one preallocated buffer on the training thread and hashes it with xxh3 at every step, nothing "
+              "else.", ""]
     return lines

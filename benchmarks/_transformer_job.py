@@ -22,7 +22,23 @@ Every fit runs in its own process (:func:`run_fit`), so the figures are whole-pr
   CPU of Lightning's ``torch.save`` on whichever thread ran it;
 * per step: the wall time, main-thread CPU and process CPU at every step's end (the first
   callback), from which ``_transformer_bench`` takes each checkpoint's local cost;
-* once: the CPU of importing ``lightning_ckpt`` (ours only).
+* once: the CPU of importing ``lightning_ckpt`` (ours only);
+* the time and CPU when training ends (the first ``on_train_end``, before ours waits for its last
+  checkpoint to be committed on every level): ``end_wall_s`` / ``end_cpu_s`` from the fit's start.
+
+The node-memory contenders (:data:`MEMORY_CONTENDERS`) write to a disk slowed to ``disk_mb_s``
+(``_slow_storage.SlowStorage``, paced: a write takes at least bytes ÷ rate in all):
+
+* ``ours_disk50``: ours with that disk as its one path, a checkpoint every ``every`` steps;
+* ``ours_mem``: ours with a node-memory level first (``/dev/shm``, a job name unique to the fit)
+  and the slow disk second, every ``every`` steps; ``ours_mem_every1``: the same at every step;
+* ``copy_hash_every1``: no checkpointing, but at every step the state (parameters, buffers and the
+  optimizer's tensors) copied into one preallocated buffer on the training thread and hashed with
+  xxh3: the floor of what a checkpoint at every step can cost in CPU.
+
+For those: ours' counters (committed, flushed, flush_skipped...) and flush figures, the slow
+disk's own counters, and what the fit left in ``/dev/shm`` (the child removes the fit's memory
+directory after ``fit`` whatever happened, and so does :func:`run_fit` after the child).
 
 Bytecode: see :func:`child_env`.
 
@@ -40,13 +56,25 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 VOCAB = 33278
 """The demo's default vocabulary (WikiText-2's)."""
 
-CONTENDERS = ("none", "mc_sync", "mc_async", "ours", "ours_pipe")
+DEFAULT_CONTENDERS = ("none", "mc_sync", "mc_async", "ours", "ours_pipe")
+"""What ``bench_lightning --model transformer`` runs unless told otherwise."""
+MEMORY_CONTENDERS = ("ours_disk50", "ours_mem", "ours_mem_every1", "copy_hash_every1")
+"""The node-memory level against a slow disk, and the copy + checksum floor (see the module docstring)."""
+CONTENDERS = DEFAULT_CONTENDERS + MEMORY_CONTENDERS
+SLOW_DISK = ("ours_disk50", "ours_mem", "ours_mem_every1")
+"""The contenders whose disk is slowed to ``TransformerJob.disk_mb_s``."""
+MEMORY_LEVEL = ("ours_mem", "ours_mem_every1")
+EVERY_STEP = ("ours_mem_every1", "copy_hash_every1")
+"""The contenders that checkpoint (or copy and hash) at every step, whatever ``every`` says."""
+SHM_ROOT = "/dev/shm/ckpt-suite-bench"
+"""The memory level's root: one directory per fit below it (``job``), removed after the fit."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +89,13 @@ class TransformerJob:
     """``torch.set_num_threads``; 0 leaves torch's default (all cores), as the demo does."""
     keep: int = 3
     seed: int = 0
+    disk_mb_s: float = 50.0
+    """The slow disk's rate (MB/s) of :data:`SLOW_DISK`."""
+
+
+def every_of(job: TransformerJob, contender: str) -> int:
+    """Steps between checkpoints of ``contender``: 1 for :data:`EVERY_STEP`, else ``job.every``."""
+    return 1 if contender in EVERY_STEP else job.every
 
 
 @dataclass
@@ -92,6 +127,17 @@ class FitResult:
     import_cpu_ms: float = 0.0
     """CPU of importing the checkpointing code itself (ours: ``lightning_ckpt``; Lightning's is
     imported with ``pytorch_lightning``, as in every contender)."""
+    end_wall_s: float = float("nan")
+    end_cpu_s: float = float("nan")
+    """From the start of ``fit`` to the first ``on_train_end`` hook (before ours' final wait): wall, process CPU."""
+    counters: dict[str, float] = field(default_factory=dict)
+    """Ours: ``Checkpointer.counters`` at the end (saves, committed, skipped, flushed, flush_skipped...)."""
+    slow: dict[str, float] = field(default_factory=dict)
+    """The slow disk's counters (``_slow_storage.SLOW``: writes, bytes, slept_s)."""
+    shm_left: list[str] = field(default_factory=list)
+    """What the fit left below its memory directory after ``fit`` (removed then by the child)."""
+    copy_hash: list[tuple[float, float]] = field(default_factory=list)
+    """``copy_hash_every1``: per step, (wall s, training-thread CPU s) of the copy and the hash."""
 
     @property
     def other_cpu_s(self) -> float:
@@ -114,10 +160,11 @@ def child_env(pycache: str) -> dict[str, str]:
     return env
 
 
-def warm_up(job: TransformerJob, workdir: str, pycache: str) -> None:
-    """Unmeasured short fits that import (and compile into ``pycache``) what every contender imports."""
+def warm_up(job: TransformerJob, workdir: str, pycache: str, memory: bool = False) -> None:
+    """Unmeasured short fits that import (and compile into ``pycache``) what every contender imports
+    (``memory``: the node-memory level's code too)."""
     short = TransformerJob(**{**asdict(job), "steps": 2 * job.every})
-    for contender in ("mc_async", "ours"):
+    for contender in ("mc_async", "ours") + (("ours_mem",) if memory else ()):
         run_fit(short, contender, workdir, pycache=pycache)
 
 
@@ -130,17 +177,41 @@ def run_fit(job: TransformerJob, contender: str, workdir: str, rep: int = 0,
     shutil.rmtree(workdir, ignore_errors=True)
     os.makedirs(workdir)
     out = os.path.join(workdir, "result.json")
+    mem_job = f"tf-{os.getpid()}-{rep}-{contender}-{uuid.uuid4().hex[:8]}"
     args = [sys.executable, os.path.abspath(__file__), "--contender", contender, "--out", out, "--dir", workdir,
-            "--steps", str(job.steps), "--every", str(job.every), "--block", str(job.block),
-            "--threads", str(job.threads), "--keep", str(job.keep), "--seed", str(job.seed)]
-    done = subprocess.run(args, cwd=workdir, capture_output=True, text=True,
-                          env=child_env(pycache) if pycache else None)
+            "--steps", str(job.steps), "--every", str(every_of(job, contender)), "--block", str(job.block),
+            "--threads", str(job.threads), "--keep", str(job.keep), "--seed", str(job.seed),
+            "--disk-mb-s", str(job.disk_mb_s), "--mem-job", mem_job]
+    try:
+        done = subprocess.run(args, cwd=workdir, capture_output=True, text=True,
+                              env=child_env(pycache) if pycache else None)
+    finally:  # a fit that died leaves its memory behind: never let it pile up in /dev/shm
+        remove_memory(mem_job)
     if done.returncode != 0 or not os.path.exists(out):
         raise RuntimeError(f"the {contender} fit failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
     with open(out) as f:
         res = json.load(f)
     shutil.rmtree(workdir, ignore_errors=True)
     return FitResult(contender=contender, rep=rep, **res)
+
+
+def memory_left(mem_job: str) -> list[str]:
+    """What is left below the memory directory of ``mem_job``: its files (relative paths), or
+    ``["(empty directories)"]``; nothing when the directory is gone."""
+    top = os.path.join(SHM_ROOT, mem_job)
+    if not os.path.isdir(top):
+        return []
+    files = sorted(os.path.relpath(os.path.join(d, f), top) for d, _, names in os.walk(top) for f in names)
+    return files or ["(empty directories)"]
+
+
+def remove_memory(mem_job: str) -> None:
+    """Remove the memory directory of ``mem_job`` (and the root, once empty)."""
+    shutil.rmtree(os.path.join(SHM_ROOT, mem_job), ignore_errors=True)
+    try:
+        os.rmdir(SHM_ROOT)
+    except OSError:
+        pass
 
 
 # ---- the child: one fit ----------------------------------------------------------------------------
@@ -233,13 +304,45 @@ def _child(a: argparse.Namespace) -> None:
             return DataLoader(SyntheticTokens(a.steps + 1, a.block, a.seed))
 
     class Marks(pl.Callback):
-        """First callback: the time and CPU at every step's end."""
+        """First callback: the time and CPU at every step's end, and when training ends (before
+        the other callbacks' ``on_train_end``, so before ours waits for its last checkpoint)."""
 
         def __init__(self) -> None:
             self.marks: list[tuple[float, float, float]] = []
+            self.end = (float("nan"), float("nan"))
 
         def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
             self.marks.append((time.perf_counter(), time.thread_time(), _rusage_cpu()))
+
+        def on_train_end(self, *args: Any, **kwargs: Any) -> None:
+            self.end = (time.perf_counter(), _rusage_cpu())
+
+    class CopyHash(pl.Callback):
+        """At every step's end: the state's tensors copied into one preallocated byte buffer, then
+        xxh3 over it, on the training thread (the floor of a checkpoint at every step)."""
+
+        def __init__(self) -> None:
+            import xxhash
+
+            self.hash = xxhash.xxh3_64_intdigest
+            self.buffer: Optional[torch.Tensor] = None
+            self.times: list[tuple[float, float]] = []
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any, **kwargs: Any) -> None:
+            wall, cpu = time.perf_counter(), time.thread_time()
+            tensors = [t for t in pl_module.state_dict().values() if isinstance(t, torch.Tensor)]
+            for opt in trainer.optimizers:
+                tensors += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+            flat = [t.detach().reshape(-1).view(torch.uint8) for t in tensors]
+            total = sum(f.numel() for f in flat)
+            if self.buffer is None or self.buffer.numel() != total:
+                self.buffer = torch.empty(total, dtype=torch.uint8)
+            offset = 0
+            for f in flat:
+                self.buffer[offset:offset + f.numel()].copy_(f)
+                offset += f.numel()
+            self.hash(self.buffer.numpy())
+            self.times.append((time.perf_counter() - wall, time.thread_time() - cpu))
 
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -248,6 +351,9 @@ def _child(a: argparse.Namespace) -> None:
     callbacks: list[Any] = [marks]
     import_cpu = 0.0
     plugins: list[Any] = []
+    ours: Any = None
+    copy_hash: Any = None
+    slow: dict[str, Any] = {}
     saves: list[float] = []
     save_steps: list[int] = []
     torch_save: list[tuple[str, float, float]] = []
@@ -284,8 +390,37 @@ def _child(a: argparse.Namespace) -> None:
         from lightning_ckpt import AsyncShardedCheckpoint
         import_cpu = _rusage_cpu() - cpu
 
-        callbacks.append(AsyncShardedCheckpoint(dirpath=ckdir, every_n_train_steps=a.every, keep_last=a.keep,
-                                                pipeline=a.contender == "ours_pipe"))
+        class Recorded(AsyncShardedCheckpoint):
+            """Ours, keeping the figure rows it reports (a memory level's ``figures.jsonl`` goes with
+            its directory at close) and its checkpointer (for the counters after the fit)."""
+
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                self.rows: list[dict[str, Any]] = []
+                self.opened: Any = None
+
+            def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+                super().setup(trainer, pl_module, stage)
+                self.opened = self.session.ck
+
+            def _log_figures(self, row: dict[str, Any]) -> None:
+                self.rows.append(dict(row))
+                super()._log_figures(row)
+
+        where: dict[str, Any] = {"dirpath": ckdir}
+        if a.contender in SLOW_DISK:
+            from _slow_storage import SLOW, SlowStorage, throttle
+
+            throttle(a.disk_mb_s)
+            slow = SLOW
+            disk = SlowStorage(ckdir)
+            where = {"dirpath": disk} if a.contender not in MEMORY_LEVEL else \
+                {"levels": [{"kind": "memory", "path": SHM_ROOT, "job": a.mem_job}, disk]}
+        ours = Recorded(**where, every_n_train_steps=a.every, keep_last=a.keep, pipeline=a.contender == "ours_pipe")
+        callbacks.append(ours)
+    elif a.contender == "copy_hash_every1":
+        copy_hash = CopyHash()
+        callbacks.append(copy_hash)
     pl.seed_everything(a.seed, verbose=False)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=a.steps, callbacks=callbacks,
                          plugins=plugins or None, logger=False, enable_progress_bar=False,
@@ -293,24 +428,31 @@ def _child(a: argparse.Namespace) -> None:
                          limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=a.dir)
     model = DemoTransformer(vocab_size=VOCAB)
     cpu0, wall0 = _rusage_cpu(), time.perf_counter()
-    trainer.fit(model)
-    fit_wall, fit_cpu = time.perf_counter() - wall0, _rusage_cpu() - cpu0
-    figures: list[dict[str, Any]] = []
-    path = os.path.join(ckdir, "figures.jsonl")
-    if os.path.exists(path):
-        with open(path) as f:
-            figures = [json.loads(line) for line in f if line.strip()]
+    try:
+        trainer.fit(model)
+    finally:
+        fit_wall, fit_cpu = time.perf_counter() - wall0, _rusage_cpu() - cpu0
+        shm_left = memory_left(a.mem_job)
+        remove_memory(a.mem_job)
+    figures: list[dict[str, Any]] = ours.rows if ours is not None else []
     rows = [r for r in figures if r.get("kind", "save") == "save" and r["step"] <= a.steps]
     train_cpu = saves if a.contender.startswith("mc") else [r.get("train_cpu_ms", float("nan")) for r in rows]
     if a.contender.startswith("ours"):
         save_steps = [r["step"] for r in rows]
     elif a.contender == "none":
         save_steps = list(range(a.every, a.steps + 1, a.every))
+    elif copy_hash is not None:
+        save_steps = list(range(1, len(copy_hash.times) + 1))
+        train_cpu = [cpu * 1e3 for _, cpu in copy_hash.times]
     result = {"process_cpu_s": _rusage_cpu(), "process_wall_s": time.perf_counter() - start,
               "fit_cpu_s": fit_cpu, "fit_wall_s": fit_wall, "main_cpu_s": time.thread_time(),
               "threads_cpu_s": _threads_cpu(), "n_ckpt": len(train_cpu), "train_cpu_ms": train_cpu,
               "torch_save": torch_save, "figures": figures, "params": sum(p.numel() for p in model.parameters()),
-              "save_steps": save_steps, "marks": marks.marks, "import_cpu_ms": import_cpu * 1e3}
+              "save_steps": save_steps, "marks": marks.marks, "import_cpu_ms": import_cpu * 1e3,
+              "end_wall_s": marks.end[0] - wall0, "end_cpu_s": marks.end[1] - cpu0,
+              "counters": dict(ours.opened.counters) if ours is not None and ours.opened is not None else {},
+              "slow": {k: v for k, v in slow.items() if k in ("writes", "bytes", "slept_s")},
+              "shm_left": shm_left, "copy_hash": copy_hash.times if copy_hash is not None else []}
     with open(a.out, "w") as f:
         json.dump(result, f)
 
@@ -322,6 +464,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--dir", required=True)
     for name, default in (("steps", 120), ("every", 10), ("block", 35), ("threads", 0), ("keep", 3), ("seed", 0)):
         p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--disk-mb-s", type=float, default=50.0, help="the slow disk's rate (MB/s)")
+    p.add_argument("--mem-job", default=f"tf-{os.getpid()}", help="the memory level's job name (below SHM_ROOT)")
     _child(p.parse_args(argv))
 
 

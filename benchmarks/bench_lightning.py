@@ -30,11 +30,22 @@ rounds, each figure the minimum over the rounds: whole-process CPU time (``getru
 thread, imports included) and fit wall time, with where the CPU went per checkpoint and per
 thread (``_transformer_job.py``, ``_transformer_bench.py``).
 
+The Transformer section can also measure ours' node-memory level against a slow disk (not in the
+default list; ``--tf-contenders none,ours_disk50,ours_mem,ours_mem_every1,copy_hash_every1``):
+the disk paced to ``--tf-disk-mb-s`` (50 MB/s) as the only level (``ours_disk50``), a memory level
+in ``/dev/shm`` in front of it every ``--tf-every`` steps (``ours_mem``) and at every step
+(``ours_mem_every1``), and, as the floor of a checkpoint at every step, copying the state into a
+preallocated buffer and hashing it with xxh3 at every step (``copy_hash_every1``). Targets: every
+10 steps ≤ 3.5 % CPU time and fit wall time over no checkpointing; at every step, CPU per
+checkpoint ≤ 1.5 × the floor per step.
+
 Usage::
 
     .venv/bin/python benchmarks/bench_lightning.py            # full run, about 10 minutes on a quiet machine
     .venv/bin/python benchmarks/bench_lightning.py --model transformer --tf-threads 1   # the Transformer alone
     .venv/bin/python benchmarks/bench_lightning.py --quick    # smoke test, about two minutes
+    .venv/bin/python benchmarks/bench_lightning.py --model transformer --tf-threads 1 \
+        --tf-contenders none,ours_disk50,ours_mem,ours_mem_every1,copy_hash_every1   # memory level, ~15 minutes
 
 Outputs: ``benchmarks/out/bench_lightning.{md,json,png}`` (``--model transformer``:
 ``bench_lightning_transformer.{md,json}``).
@@ -57,7 +68,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _lightning_job import (LABELS, OURS, PEERS, TARGET_VS_PEER, Contender, Job, RunResult, Runner,  # noqa: E402
                             base_step_s, drift_corrected, local_costs, mean, median, step_times, warm_up)
 import _transformer_bench  # noqa: E402
-from _transformer_job import CONTENDERS as TF_CONTENDERS, TransformerJob  # noqa: E402
+from _transformer_job import CONTENDERS as TF_CONTENDERS, DEFAULT_CONTENDERS as TF_DEFAULT, TransformerJob  # noqa: E402
 
 
 
@@ -321,9 +332,17 @@ def main() -> None:
     p.add_argument("--tf-rounds", type=int, default=3)
     p.add_argument("--tf-threads", type=int, default=0,
                    help="torch threads of the Transformer fits (0: torch's default, all cores)")
-    p.add_argument("--tf-contenders", default=",".join(TF_CONTENDERS),
-                   help=f"comma-separated, among {','.join(TF_CONTENDERS)} (none is always run)")
+    p.add_argument("--tf-contenders", default=",".join(TF_DEFAULT),
+                   help=f"comma-separated, among {','.join(TF_CONTENDERS)} (none is always run; default "
+                        f"{','.join(TF_DEFAULT)})")
+    p.add_argument("--tf-disk-mb-s", type=float, default=50.0,
+                   help="the slow disk's rate of ours_disk50, ours_mem and ours_mem_every1 (MB/s)")
+    p.add_argument("--tf-from", default=None, metavar="JSON",
+                   help="no fits: the Transformer section again from a saved bench_lightning_transformer.json")
     a = p.parse_args()
+    if a.tf_from:
+        rerender_transformer(a.tf_from, a.out)
+        return
     if a.quick:
         a.steps, a.reps, a.ddp_steps, a.ddp_reps = 30, 1, 20, 1
         a.tf_steps, a.tf_rounds = 30, 1
@@ -371,6 +390,21 @@ def main() -> None:
           f"{runner.reruns} re-runs); wrote {a.out}/{name}.{{md,json{',png' if summaries else ''}}}")
 
 
+def rerender_transformer(path: str, out: str) -> None:
+    """``--tf-from``: the Transformer section of a saved run, summarized again (its fits unchanged)."""
+    with open(path) as f:
+        doc = json.load(f)
+    doc["transformer"] = _transformer_bench.resummarize(doc["transformer"])
+    lines = _transformer_bench.markdown(doc["transformer"]["summary"])
+    text = "# bench_lightning, transformer only\n\n" + "\n".join(lines)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "bench_lightning_transformer.md"), "w") as f:
+        f.write(text + "\n")
+    with open(os.path.join(out, "bench_lightning_transformer.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    print(text)
+
+
 def run_transformer(a: argparse.Namespace, workdir: str) -> dict[str, Any]:
     """The demo Transformer section: alternated rounds of one fresh process per fit."""
     chosen = [c.strip() for c in a.tf_contenders.split(",") if c.strip()]
@@ -378,7 +412,7 @@ def run_transformer(a: argparse.Namespace, workdir: str) -> dict[str, Any]:
     if unknown:
         raise SystemExit(f"--tf-contenders: unknown {unknown}; choose among {', '.join(TF_CONTENDERS)}")
     contenders = ["none"] + [c for c in TF_CONTENDERS if c in chosen and c != "none"]
-    job = TransformerJob(steps=a.tf_steps, every=a.tf_every, threads=a.tf_threads)
+    job = TransformerJob(steps=a.tf_steps, every=a.tf_every, threads=a.tf_threads, disk_mb_s=a.tf_disk_mb_s)
     print(f"bench_lightning: Lightning's demo Transformer, {a.tf_steps} steps, k={a.tf_every}, "
           f"{a.tf_rounds} rounds of {', '.join(contenders)}", flush=True)
     fits = _transformer_bench.measure(job, contenders, a.tf_rounds, workdir, quiet=a.quiet)

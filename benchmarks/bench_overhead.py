@@ -10,7 +10,7 @@ an idle 2-core machine) for a few hundred steps under:
   of the ``interval_steps`` it applied: the mean distance between its checkpoints in ``figures.jsonl``);
 
 then once more adaptive 3.5 % on a storage that becomes slow halfway through: the callback's
-``Checkpointer`` is swapped for one over :class:`_lightning_job.SlowStorage`, whose data-file
+``Checkpointer`` is swapped for one over :class:`_slow_storage.SlowStorage`, whose data-file
 writes sleep (no CPU) ``--slow-factor`` × the adaptive interval's wall time from that step on.
 
 Reported per configuration (median over ``--reps`` interleaved repetitions): measured overhead

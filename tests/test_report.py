@@ -419,3 +419,75 @@ def test_the_verified_raw_read_reads_the_same_bytes_in_steps_on_every_thread(mon
             dest = bytearray(len(whole))
             assert read_into(paths, memoryview(dest), threads, step) == len(whole)
             assert bytes(dest) == whole, (threads, step)
+
+
+# ---- bench_lightning's Transformer section: the node-memory level against a slow disk ---------------
+def test_the_slow_disk_passes_a_flush_stream_through_unchanged_and_takes_bytes_over_rate(monkeypatch, tmp_path):
+    """A flush streams views of one reused buffer: a slow disk that kept them (list()) wrote the last
+    chunk over and over, and the disk copy failed its checksums only when read back."""
+    import time
+
+    import torch
+
+    monkeypatch.syspath_prepend(os.path.join(HERE, "..", "benchmarks"))
+    from _slow_storage import SLOW, SlowStorage, throttle
+    from ckpt_engine import Checkpointer
+
+    monkeypatch.setattr("_slow_storage.SLOW", dict(SLOW))
+    import _slow_storage
+
+    throttle(200)  # MB/s
+    state = {"w": torch.arange(5_000_000, dtype=torch.float32)}  # 20 MB: three 8 MiB chunks of a flush
+    ck = Checkpointer(levels=[{"kind": "memory", "path": str(tmp_path / "mem"), "job": "j"},
+                              SlowStorage(str(tmp_path / "disk"))])
+    start = time.perf_counter()
+    ck.save(state, 1)
+    ck.wait(flush=True)
+    took = time.perf_counter() - start
+    ck.close()
+    assert _slow_storage.SLOW["bytes"] == 20_000_000 and took >= 20e6 / 200e6
+    assert torch.equal(Checkpointer(str(tmp_path / "disk"), readonly=True).load()["w"], state["w"])
+    assert not (tmp_path / "mem" / "j").exists()
+
+
+def _fit(contender, process_cpu, fit_wall, end_wall, train_cpu_ms, threads, figures=(), copy_hash=(), steps=20):
+    from _transformer_job import FitResult
+
+    marks = [(0.25 * i, 0.25 * i, 0.25 * i) for i in range(1, steps + 1)]
+    return FitResult(contender=contender, rep=0, process_cpu_s=process_cpu, process_wall_s=fit_wall + 2,
+                     fit_cpu_s=process_cpu - 2, fit_wall_s=fit_wall, main_cpu_s=process_cpu - sum(threads.values()),
+                     threads_cpu_s=threads, n_ckpt=len(train_cpu_ms), train_cpu_ms=list(train_cpu_ms),
+                     figures=list(figures), params=14_600_000, save_steps=list(range(1, len(train_cpu_ms) + 1)),
+                     marks=marks, end_wall_s=end_wall, counters={"flushed": 1, "flush_skipped": 1},
+                     copy_hash=list(copy_hash))
+
+
+def _saves(steps):
+    return [{"kind": "save", "step": s, "committed": True, "stall_ms": 5.0, "encode_cpu_ms": 1.0,
+             "snapshot_cpu_ms": 10.0, "persist_cpu_ms": 5.0, "commit_cpu_ms": 0.0, "train_cpu_ms": 20.0}
+            for s in steps] + [{"kind": "flush", "step": steps[-1], "committed": True, "lag_ms": 900.0,
+                                "copy_ms": 800.0}]
+
+
+def test_the_memory_section_holds_each_target_against_its_own_figure(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(HERE, "..", "benchmarks"))
+    import _transformer_bench
+    from _transformer_job import TransformerJob
+
+    job = TransformerJob(steps=20, every=10, threads=1)
+    fits = [_fit("none", 10.0, 5.0, 5.0, [], {}),
+            _fit("ours_disk50", 10.5, 9.0, 8.0, [20.0] * 2, {"ckpt-persist": 0.02}, _saves([10, 20])),
+            _fit("ours_mem", 10.2, 5.1, 5.05, [10.0] * 2, {"ckpt-flush-1": 0.1}, _saves([10, 20])),
+            # own CPU per checkpoint: 20 ms on the training thread + 40 ms of threads = 60 ms, 2 x the floor
+            _fit("ours_mem_every1", 11.5, 6.0, 5.5, [20.0] * 19, {"ckpt-persist": 19 * 0.04}, _saves(range(2, 21))),
+            _fit("copy_hash_every1", 10.6, 5.2, 5.2, [30.0] * 20, {}, copy_hash=[(0.04, 0.03)] * 20)]
+    summary = _transformer_bench.summarize(job, [(f, 0.0) for f in fits], [f.contender for f in fits])
+    text = "\n".join(_transformer_bench.markdown(summary))
+    assert "## Node-memory level in front of a 50 MB/s disk" in text
+    assert "whole process +2.0 % → PASS" in text  # 10.2 s against 10.0 s
+    assert "fit +2.0 % → PASS" in text and "training alone (up to `on_train_end`) +1.0 % → PASS" in text
+    assert "ours (memory + disk) 60.0 ms vs copy + xxh3 30.0 ms per step" in text and "2.00 × → FAIL" in text
+    assert "0 of 1 fits left files" in text
+    again = _transformer_bench.resummarize({"summary": summary, "fits": [{**f.as_json(), "foreign_cores": 0.0}
+                                                                        for f in fits]})
+    assert "\n".join(_transformer_bench.markdown(again["summary"])) == text
