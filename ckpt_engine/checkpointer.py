@@ -385,6 +385,12 @@ class Checkpointer:
         return self._loaded.level if self._loaded else None
 
     @property
+    def record_storage(self) -> Storage:
+        """Where records beside the checkpoints go (the front ends' ``figures.jsonl``): the first level
+        every rank shares (a node-local or memory level 1 is one rank's, and is released at the end)."""
+        return next((level.storage for level in self._dest.levels if not level.node_local), self.storage)
+
+    @property
     def levels(self) -> tuple[Storage, ...]:
         """Each level's storage, fastest first (node-local level 1: this rank's own part of it)."""
         return tuple(level.storage for level in self._dest.levels)

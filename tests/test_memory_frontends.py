@@ -149,6 +149,8 @@ def test_horovod_hook_resumes_a_lost_node_and_a_lost_disk_from_the_other_nodes_m
     out, _ = done.communicate(timeout=240)
     assert done.returncode == 0 and "done at step 32" in out, out[-4000:]
     assert not (tmp_path / "mem" / "ref").exists()  # the job ended: its memory released
+    rows = [json.loads(line) for line in (tmp_path / "ck-ref" / "figures.jsonl").read_text().splitlines()]
+    assert {r["kind"] for r in rows} == {"save", "flush"}  # beside the checkpoints that outlive the job
 
     job = _horovodrun("--ckpt-config", str(config), "--sample-log", str(run / "log"), "--out", str(run / "out"),
                       "--step-delay", "0.1")

@@ -81,5 +81,5 @@ class FigureReporter:
                 self._flushes_seen.add(id(f))
                 rows.append({"kind": "flush", **f.row(), "time": time.time()})
         for row in rows:
-            write_figure_row(self.ck.storage, row)
+            write_figure_row(self.ck.record_storage, row)
         return rows
