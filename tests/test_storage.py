@@ -291,6 +291,41 @@ def test_direct_io_write_of_an_aligned_buffer_is_exact_and_bypasses_the_page_cac
     assert st.direct_io
 
 
+class _Stream:
+    """A lazy stream (not a sequence): ``write_stream`` takes it one chunk at a time, as a flush's copy."""
+
+    def __init__(self, *chunks) -> None:
+        self.chunks = chunks
+
+    def __iter__(self):
+        return iter(self.chunks)
+
+
+def test_a_streamed_write_goes_direct_while_its_chunks_are_aligned_then_buffered_bytes_exact(tmp_path, monkeypatch):
+    """A flush streams views of one page-aligned buffer: those chunks go out with O_DIRECT, an
+    unaligned or short chunk and everything after it through the page cache; the bytes are exact."""
+    import mmap
+    import os
+
+    from ckpt_engine.storage import local as storage_mod
+    direct_writes = []
+    real_write = os.write
+
+    def spying_write(fd, data):
+        if storage_mod.fcntl.fcntl(fd, storage_mod.fcntl.F_GETFL) & storage_mod._DIRECT_FLAG:
+            direct_writes.append(len(data))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(storage_mod.os, "write", spying_write)
+    block = mmap.mmap(-1, 2 << 20)
+    block.write(os.urandom(2 << 20))
+    aligned, tail = memoryview(block), memoryview(bytearray(os.urandom(12345)))
+    st = Storage(str(tmp_path))
+    assert st.write_stream("f.bin", _Stream(aligned, aligned, tail, aligned)) == 3 * (2 << 20) + 12345
+    assert direct_writes == [2 << 20, 2 << 20]  # the chunks after the tail were buffered too
+    assert (tmp_path / "f.bin").read_bytes() == bytes(block) * 2 + bytes(tail) + bytes(block)
+
+
 def test_direct_io_refused_falls_back_to_buffered_writes(tmp_path, monkeypatch):
     """A filesystem that refuses O_DIRECT (tmpfs says EINVAL) gets ordinary writes, once decided."""
     import errno
@@ -312,6 +347,9 @@ def test_direct_io_refused_falls_back_to_buffered_writes(tmp_path, monkeypatch):
     st.write_stream("a.bin", [memoryview(buf)])
     assert not st.direct_io
     assert (tmp_path / "a.bin").read_bytes() == bytes(buf)
+    streamed = Storage(str(tmp_path))
+    streamed.write_stream("s.bin", _Stream(memoryview(buf)))  # a stream too: refused before a chunk is taken
+    assert not streamed.direct_io and (tmp_path / "s.bin").read_bytes() == bytes(buf)
 
 
 def test_direct_io_can_be_switched_off(tmp_path, monkeypatch):

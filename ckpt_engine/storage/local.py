@@ -77,6 +77,10 @@ class LocalStorage(Storage):
             written = _write_direct(self.path(rel), memoryview(chunks[0]).cast("B"))  # type: ignore[index]
             if written is None:  # this filesystem refuses O_DIRECT (tmpfs, some FUSE): stop trying
                 self.direct_io = False
+        if written is None and streamed and self.direct_io:
+            written = _write_direct_stream(self.path(rel), chunks)
+            if written is None:
+                self.direct_io = False
         if written is None:
             written = 0
             fd = os.open(self.path(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -256,6 +260,40 @@ def _direct_eligible(chunk: memoryview | bytes) -> bool:
     if view.nbytes < _DIRECT_MIN or not view.c_contiguous:
         return False
     return np.frombuffer(view.cast("B"), dtype=np.uint8).ctypes.data % _DIRECT_ALIGN == 0
+
+
+def _write_direct_stream(path: str, chunks: Iterable[memoryview | bytes]) -> int | None:
+    """Write a stream (a flush's copy) with ``O_DIRECT`` while its chunks are page-aligned (a
+    reused aligned buffer: levels/transfer.py), the rest through the page cache on the same
+    descriptor; fsync. ``None``, before any chunk is taken, when the filesystem refuses ``O_DIRECT``.
+    Why: as :func:`_write_direct`; a buffered flush of a 176 MB state cost ~300 ms of CPU here."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _DIRECT_FLAG, 0o644)
+    except OSError as e:
+        if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+            return None
+        raise
+    direct, written = True, 0
+    try:
+        for chunk in chunks:
+            view = memoryview(chunk).cast("B")
+            if direct and not (view.nbytes % _DIRECT_ALIGN == 0 and _direct_eligible(view)):
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_DIRECT_FLAG)
+                direct = False
+            done = 0
+            while done < view.nbytes:
+                try:
+                    done += os.write(fd, view[done:])
+                except OSError as e:  # refused (or a short write left an unaligned offset): buffered from here
+                    if not (direct and e.errno == errno.EINVAL):
+                        raise
+                    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_DIRECT_FLAG)
+                    direct = False
+            written += done
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return written
 
 
 def _write_direct(path: str, view: memoryview) -> int | None:
