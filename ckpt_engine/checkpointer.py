@@ -240,7 +240,7 @@ class Checkpointer:
         # the plan includes the staging areas
         lay, plan = self._snapshots.plan(encode(state, "state"), encode(local, "local", sharded=False))
         self._dest.admit(lay.nbytes)
-        self._pool.reserve(plan.nbytes, pinned=bool(plan.devices))
+        self._pool.reserve(plan.nbytes, pinned=bool(plan.devices), kept=self._dest.kept_buffers())
 
     def wait(self, *, retention: bool = False, flush: bool = False, timeout: float | None = None) -> None:
         """Block until every pending save is committed (or dropped); re-raise a background error.

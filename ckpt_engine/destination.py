@@ -59,6 +59,11 @@ class Destination(Protocol):
     buffers: Callable[[int, bool], Any] | None
     """What makes the snapshot buffers, when not ordinary host memory (a memory level: files of it)."""
 
+    def kept_buffers(self) -> int:
+        """``reserve()``: how many snapshot buffers committed checkpoints hold in steady state
+        (a memory level's are its checkpoints' files), allocated at set-up beside those in flight."""
+        ...
+
     def admit(self, nbytes: int) -> None:
         """``save()`` and ``reserve()`` (training), before a buffer is taken, with this rank's part
         size: raise :class:`CheckpointError` when the levels cannot hold a checkpoint of it."""

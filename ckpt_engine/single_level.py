@@ -46,6 +46,10 @@ class SingleLevel:
         self._retention = Retention()
 
     # ---- saving ---------------------------------------------------------------------------------
+    def kept_buffers(self) -> int:
+        """No snapshot buffer outlives its persist here."""
+        return 0
+
     def admit(self, nbytes: int) -> None:
         """Nothing to check: a path has no budget (a full storage is handled at the write, failure.py)."""
 

@@ -232,11 +232,12 @@ class BufferPool:
         self.allocations += 1
         return self.make(nbytes, pinned)
 
-    def reserve(self, nbytes: int, pinned: bool) -> None:
-        """Allocate every slot now (at set-up), so the first snapshots do not pay for it."""
+    def reserve(self, nbytes: int, pinned: bool, kept: int = 0) -> None:
+        """Allocate every slot now (at set-up), so the first snapshots do not pay for it; ``kept``
+        more for buffers that committed checkpoints hold (a memory level's)."""
         with self._cond:
             usable = [b for b in self._free if b.capacity >= nbytes and b.pinned == pinned and b.reusable(nbytes)]
-            for _ in range(self.max_inflight - self._taken - len(usable)):
+            for _ in range(self.max_inflight + kept - self._taken - len(usable)):
                 self._free.append(self.make(nbytes, pinned))
                 self.allocations += 1
 

@@ -406,3 +406,11 @@ def test_the_snapshot_buffer_is_the_memory_checkpoints_data_file_and_is_reused_o
     for step in (10, 11, 12):  # each still holds its own bytes: no buffer reused while linked
         assert digest(ck.load(step=step)) == digest(state(step))
     ck.close()
+    reserved = Checkpointer(levels=[{"kind": "memory", "path": str(tmp_path / "mem2"), "job": "j"}], keep_last=3)
+    reserved.reserve(state(0))  # at set-up: the buffers the checkpoints will hold, and the one in flight
+    assert reserved._pool.allocations == 3 + 2 + 1
+    for step in range(1, 9):
+        reserved.save(state(step), step)
+        reserved.wait(retention=True)
+    assert reserved._pool.allocations == 6  # none during training
+    reserved.close()

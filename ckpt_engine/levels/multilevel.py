@@ -87,6 +87,11 @@ class MultiLevel:
                 flusher.offer(FlushItem(dirname, parse_dir(dirname)[0], True, "", start, start))  # type: ignore[index]
 
     # ---- saving -----------------------------------------------------------------------------------
+    def kept_buffers(self) -> int:
+        """A memory level's snapshot buffers are its checkpoints: ``keep_last`` of them, and up to
+        two more that the flushers keep (the one being copied, the newest not yet copied)."""
+        return 0 if self.buffers is None else (self._keep_fast or 1) + 2
+
     def admit(self, nbytes: int) -> None:
         """Before the first save (or at ``reserve()``), with this rank's part size: a memory level
         that cannot hold one checkpoint plus the one being written is refused with the numbers; a
