@@ -149,8 +149,10 @@ class Net(pl.LightningModule):
                        os.path.join(self.args.out, f"final-{self.args.tag}.pt"))
             cb = next(c for c in self.trainer.callbacks if isinstance(c, AsyncShardedCheckpoint))
             with open(os.path.join(self.args.out, f"resumed-{self.args.tag}.json"), "w") as f:
-                json.dump({"resumed_from": cb.resumed_from, "global_step": self.global_step,
-                           "restores": cb.restores, "resumed_level": cb.resumed_level}, f)
+                resumed = {"resumed_from": cb.resumed_from, "global_step": self.global_step, "restores": cb.restores}
+                if self.args.memory:  # which level the resume read (0: the memory level)
+                    resumed["resumed_level"] = cb.resumed_level
+                json.dump(resumed, f)
 
 
 class ShardedNet(Net):
@@ -226,8 +228,10 @@ def main() -> None:
     p.add_argument("--no-mesh", action="store_true", help="fsdp1: no device mesh (ShardedTensor state)")
     p.add_argument("--stateful", action="store_true", help="torchdata's StatefulDataLoader")
     p.add_argument("--level2", default=None, help="a second level: levels=[CKPT, LEVEL2]")
-    p.add_argument("--memory", default=None, help="a node-memory level first: levels=[{kind: memory, path: MEMORY}, CKPT]")
-    p.add_argument("--nodes", type=int, default=1, help="Trainer(num_nodes=...): ranks launched outside (LOCAL_RANK set)")
+    p.add_argument("--memory", default=None,
+                   help="a node-memory level first: levels=[{kind: memory, path: MEMORY}, CKPT]")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="Trainer(num_nodes=...): ranks launched outside (LOCAL_RANK set)")
     p.add_argument("--raise-at", type=int, default=-1, help="every rank raises right after this step")
     p.add_argument("--lightning-last", type=int, default=0,
                    help="also ModelCheckpoint(save_last=True, every_n_train_steps=N) in OUT/mc")
@@ -247,7 +251,8 @@ def main() -> None:
     if args.model_checkpoint:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=os.path.join(args.out, "mc"), monitor="loss",
                                                       save_top_k=2, every_n_train_steps=4))
-    trainer = pl.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy(args), num_nodes=args.nodes,
+    trainer = pl.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy(args),
+                         num_nodes=args.nodes,
                          max_steps=args.max_steps,
                          callbacks=callbacks, logger=pl.loggers.CSVLogger(args.out, name=args.tag),
                          enable_progress_bar=False, enable_model_summary=False,
