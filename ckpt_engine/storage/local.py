@@ -262,17 +262,24 @@ def _direct_eligible(chunk: memoryview | bytes) -> bool:
     return np.frombuffer(view.cast("B"), dtype=np.uint8).ctypes.data % _DIRECT_ALIGN == 0
 
 
+def _open_direct(path: str) -> int | None:
+    """``path`` opened for writing with ``O_DIRECT`` (truncated); ``None`` where the filesystem refuses it."""
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _DIRECT_FLAG, 0o644)
+    except OSError as e:
+        if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+            return None
+        raise
+
+
 def _write_direct_stream(path: str, chunks: Iterable[memoryview | bytes]) -> int | None:
     """Write a stream (a flush's copy) with ``O_DIRECT`` while its chunks are page-aligned (a
     reused aligned buffer: levels/transfer.py), the rest through the page cache on the same
     descriptor; fsync. ``None``, before any chunk is taken, when the filesystem refuses ``O_DIRECT``.
     Why: as :func:`_write_direct`; a buffered flush of a 176 MB state cost ~300 ms of CPU here."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _DIRECT_FLAG, 0o644)
-    except OSError as e:
-        if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
-            return None
-        raise
+    fd = _open_direct(path)
+    if fd is None:
+        return None
     direct, written = True, 0
     try:
         for chunk in chunks:
@@ -306,12 +313,9 @@ def _write_direct(path: str, view: memoryview) -> int | None:
     page cache on the same descriptor once ``O_DIRECT`` is cleared. Returns ``None`` only when the
     filesystem refuses direct I/O before anything was written, so the caller can write normally.
     """
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _DIRECT_FLAG, 0o644)
-    except OSError as e:
-        if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
-            return None
-        raise
+    fd = _open_direct(path)
+    if fd is None:
+        return None
     try:
         n = view.nbytes
         head = n - n % _DIRECT_ALIGN
