@@ -185,9 +185,8 @@ class HostBuffer:
         """Whether something else still holds it (a committed memory checkpoint), so the pool keeps it."""
         return False
 
-    def drop(self) -> bool:
-        """Let it go (the pool replaces it); ``True``."""
-        return True
+    def drop(self) -> None:
+        """Let it go (the pool replaces it): nothing to do for host memory."""
 
 
 class BufferPool:
@@ -228,7 +227,9 @@ class BufferPool:
                 if buf.capacity >= nbytes and buf.pinned == pinned and buf.reusable(nbytes):
                     self._free.remove(buf)
                     return buf
-            self._free = [b for b in self._free if b.kept() or not b.drop()]  # too small: replaced below
+            for buf in [b for b in self._free if not b.kept()]:  # too small: replaced below
+                self._free.remove(buf)
+                buf.drop()
         self.allocations += 1
         return self.make(nbytes, pinned)
 

@@ -53,6 +53,12 @@ def make_local(step: int, rank: int) -> dict:
     return {"rank": rank, "bn.running_mean": torch.randn(64, generator=g), "rng": g.get_state(), "pos": step * 10 + rank}
 
 
+def write_result(out: str, rank: int, result: dict) -> None:
+    """What a rank of a test job reports: ``OUT/rank-RANK.json``, which ``ranks.run_ranks`` reads back."""
+    with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
 def digest(value, path: str = "") -> dict:
     """Flat {key path: xxh3 of tensor bytes / repr of value}, with tensor object identities."""
     out = {}
@@ -191,8 +197,7 @@ def main() -> None:
             print(f"committed {step}", flush=True)
             step += 1
     ck.close()
-    with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
-        json.dump(result, f)
+    write_result(out, rank, result)
     dist.destroy_process_group()
 
 

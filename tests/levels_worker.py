@@ -22,7 +22,6 @@ Modes:
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -37,7 +36,7 @@ from ckpt_engine import Checkpointer, TorchDistComm  # noqa: E402
 from ckpt_engine.format.catalog import manifest_dirs  # noqa: E402
 from ckpt_engine.storage import Storage  # noqa: E402
 from ckpt_engine.testing import GatedStorage  # noqa: E402
-from dist_worker import digest, make_local, make_state  # noqa: E402
+from dist_worker import digest, make_local, make_state, write_result  # noqa: E402
 
 HOLD = os.environ.get("HOLD_L2", "")
 
@@ -97,8 +96,7 @@ def main() -> None:
             ck.save(make_state(step), step, make_local(step, rank))
             ck.wait()
             print(f"committed {step}", flush=True)
-    with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
-        json.dump(result, f)
+    write_result(out, rank, result)
     dist.destroy_process_group()
 
 

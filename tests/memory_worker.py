@@ -23,7 +23,6 @@ Modes:
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -37,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from worker_exit import leave  # noqa: E402
 from ckpt_engine import Checkpointer, NoCheckpointError, TorchDistComm  # noqa: E402
 from ckpt_engine.testing import GatedStorage  # noqa: E402
-from dist_worker import digest, make_local, make_state  # noqa: E402
+from dist_worker import digest, make_local, make_state, write_result  # noqa: E402
 
 
 def levels(mem: str, disk: str) -> list:
@@ -87,8 +86,7 @@ def main() -> None:
         if disk != "-" and os.environ.get("HOLD_DISK") != "1":
             ck.wait(flush=True)
         result.update(counters=dict(ck.counters))
-        with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
-            json.dump(result, f)
+        write_result(out, rank, result)
         print("saved", flush=True)
         time.sleep(600)
     elif mode == "loop":
@@ -98,8 +96,7 @@ def main() -> None:
         result.update(step=r.step, level=r.level, state=digest(r.state), local=digest(r.local),
                       failures=ck.load_failures)
         ck.close()
-        with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
-            json.dump(result, f)
+        write_result(out, rank, result)
     dist.destroy_process_group()
 
 

@@ -65,12 +65,11 @@ class FileBuffer(HostBuffer):
     def kept(self) -> bool:
         return self.linked()
 
-    def drop(self) -> bool:
+    def drop(self) -> None:
         try:
             os.remove(self.path)
         except OSError:
             pass
-        return True
 
 
 class FileBuffers:
