@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 TORCH_VERSION=2.13.0   # the CPU wheel this machine holds in /opt/wheels
-EXTRAS=lightning,s3,test,bench
+EXTRAS=lightning,s3,test,bench,docs
 VENV=.venv
 PY=$VENV/bin/python
 STAMP=$VENV/.setup-stamp
