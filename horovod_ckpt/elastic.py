@@ -53,8 +53,8 @@ class DurableTorchState(TorchState):
         path: checkpoint root (local path or fsspec URL).
         model, optimizer, **kwargs: as for ``TorchState`` (plain attributes such as ``epoch`` and
             ``batch`` must be plain values: numbers, strings, lists, dicts).
-        config, every_n_steps, every_seconds, overhead_budget, max_interval, keep_last, levels,
-            storage_options: the core's flags; steps count commits (default: every commit).
+        config, every_n_steps, every_seconds, overhead_budget, max_interval, keep_last, levels, storage_options:
+            the core's flags; steps count commits (default: every commit).
         commit_timeout: seconds rank 0 waits for every writer (short: workers come and go).
     """
 

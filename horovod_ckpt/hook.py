@@ -52,8 +52,8 @@ class HorovodCheckpointer:
             see :meth:`ckpt_engine.training.resumable.ResumableSampler.note_step`).
         config: a YAML file (or mapping, or ``CheckpointConfig``) of the core's flags; keyword
             flags given here win over it.
-        every_n_steps / every_seconds / overhead_budget / max_interval / keep_last / levels /
-            storage_options: the core's flags (``ckpt_engine.config``); ``None`` means "not given"
+        every_n_steps / every_seconds / overhead_budget / max_interval / keep_last / levels / storage_options:
+            the core's flags (``ckpt_engine.config``); ``None`` means "not given"
             (the YAML's value, or the core's default). ``keep_last`` defaults to 3 (``None``: keep all).
         extra: more objects with ``state_dict()``/``load_state_dict()``, replicated (e.g. an AMP
             scaler); ``register()`` adds more, also per rank.
