@@ -1,0 +1,140 @@
+"""The user documents: README.md and the MkDocs site built from docs/.
+
+The site is built with ``mkdocs build --strict`` as a user would build it, so a broken link, a
+missing anchor, a snippet of a file that is gone or an API reference that no longer resolves fails
+here. README.md is checked for what a newcomer reads first (the two set-up commands, its length)
+and for relative links that resolve, anchors included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+README_MAX_LINES = 250
+SETUP_BLOCK = [
+    "```bash",
+    "bash scripts/demo.sh    # set up .venv, then train on 2 ranks, SIGKILL mid-run, resume, show figures and"
+    " identical weights",
+    "bash scripts/test.sh    # set up .venv, then run the whole test suite (what CI runs)",
+    "```",
+]
+# "session 17", "sessions 19-20", "s17", "this session": how the work went, which users never saw
+# (a date and a commit say it to anyone). "s3" is storage, "TrainingSession" a class.
+WORK_SESSION = re.compile(r"\bsessions?\s+\d|\b(?:this|that|next|previous|earlier|last) session\b|\bs(?!3\b)\d{1,3}\b",
+                          re.IGNORECASE)
+LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+
+
+def _without_code(text: str) -> str:
+    """The Markdown ``text`` without fenced blocks and code spans (links inside them are not links)."""
+    text = re.sub(r"^```.*?^```[^\n]*$", "", text, flags=re.MULTILINE | re.DOTALL)
+    return re.sub(r"`[^`\n]*`", "", text)
+
+
+def _github_anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives the headings of ``markdown`` (lower case, punctuation dropped,
+    spaces as hyphens, ``-1``, ``-2`` ... for repeats)."""
+    anchors: set[str] = set()
+    seen: dict[str, int] = {}
+    in_fence = False
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            in_fence = not in_fence
+            continue
+        heading = None if in_fence else re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if heading is None:
+            continue
+        title = re.sub(r"`([^`]*)`", r"\1", heading.group(1))
+        title = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", title)
+        slug = re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        anchors.add(slug if n == 0 else f"{slug}-{n}")
+    return anchors
+
+
+def test_readme_starts_with_the_two_setup_commands_and_is_short() -> None:
+    lines = README.read_text(encoding="utf-8").splitlines()
+    assert lines[:len(SETUP_BLOCK)] == SETUP_BLOCK, (
+        "README.md must open with the fenced block of the two set-up commands (scripts/demo.sh, scripts/test.sh), "
+        f"exactly as tests/test_docs.py SETUP_BLOCK has it; it opens with {lines[:len(SETUP_BLOCK)]!r}")
+    assert len(lines) <= README_MAX_LINES, (
+        f"README.md has {len(lines)} lines, more than {README_MAX_LINES}: move the detail to a page of docs/ "
+        "and link to it")
+
+
+def test_readme_relative_links_resolve() -> None:
+    text = README.read_text(encoding="utf-8")
+    broken = []
+    for target in LINK.findall(_without_code(text)):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        file = (README.parent / path).resolve() if path else README
+        if not file.is_file():
+            broken.append(f"{target}: no file {file.relative_to(ROOT) if file.is_relative_to(ROOT) else file}")
+        elif anchor and file.suffix == ".md" and anchor not in _github_anchors(file.read_text(encoding="utf-8")):
+            broken.append(f"{target}: no heading with the anchor #{anchor} in {file.relative_to(ROOT)}")
+    assert not broken, "README.md links that lead nowhere (fix the link or the heading):\n" + "\n".join(broken)
+
+
+def test_no_word_of_working_sessions_in_user_documents() -> None:
+    hits = []
+    for file in [README, *sorted(DOCS.rglob("*.md"))]:
+        for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+            if WORK_SESSION.search(line):
+                hits.append(f"{file.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not hits, "name the date and the commit instead of a working session:\n" + "\n".join(hits)
+
+
+def test_configuration_page_names_every_key_of_the_schema() -> None:
+    from ckpt_engine.config import CheckpointConfig, LevelSpec
+
+    page = (DOCS / "configuration.md").read_text(encoding="utf-8")
+    documented = set(re.findall(r"^\| `(\w+)`", page, flags=re.MULTILINE))
+    keys = {f.name for f in dataclasses.fields(CheckpointConfig)} | {f.name for f in dataclasses.fields(LevelSpec)}
+    missing = sorted(keys - documented)
+    assert not missing, f"docs/configuration.md has no table row for the configuration key(s) {missing}"
+
+
+def test_api_reference_covers_every_public_name() -> None:
+    import ckpt_engine
+    import horovod_ckpt
+    import lightning_ckpt
+
+    page = (DOCS / "api.md").read_text(encoding="utf-8")
+    missing = [f"{package.__name__}.{name}" for package in (ckpt_engine, lightning_ckpt, horovod_ckpt)
+               for name in package.__all__
+               if not re.search(rf"^::: {package.__name__}(\.\w+)*\.{name}\s*$", page, flags=re.MULTILINE)]
+    assert not missing, f"docs/api.md has no '::: ' entry for the public name(s) {missing}"
+
+
+def test_mkdocs_build_strict(tmp_path: Path) -> None:
+    if importlib.util.find_spec("mkdocs") is None:
+        pytest.fail("mkdocs is not installed: install the docs extra (pip install -e '.[docs]'; "
+                    "scripts/setup_env.sh does it)")
+    site = tmp_path / "site"
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f",
+                           str(ROOT / "mkdocs.yml"), "-d", str(site)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})  # Material's end-of-life banner
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, f"mkdocs build --strict failed (exit {done.returncode}):\n{output}"
+    assert not re.search(r"^WARNING\b", output, flags=re.MULTILINE), f"mkdocs build --strict warned:\n{output}"
+    pages = [site / "index.html"] + [site / page / "index.html" for page in
+                                      ("install", "lightning", "horovod", "core", "configuration", "storage", "memory",
+                                       "CLI", "FORMAT", "troubleshooting", "api")]
+    assert [str(p.relative_to(site)) for p in pages if not p.is_file()] == [], f"pages missing from the site {site}"
+    api = (site / "api" / "index.html").read_text(encoding="utf-8")
+    assert 'id="ckpt_engine.Checkpointer"' in api, "the API reference does not document ckpt_engine.Checkpointer"
