@@ -57,7 +57,8 @@ class AsyncShardedCheckpoint(*_lightning.bases("callbacks.Callback")):  # type: 
         every_seconds / train_time_interval: about every T seconds (a number or a ``timedelta``).
         overhead_budget: adaptive frequency under this fraction of training time (e.g. ``0.035``).
         max_interval: at least every this many seconds, composed with any trigger.
-        keep_last: committed checkpoints to keep. levels: instead of ``path``, the levels fastest first,
+        keep_last: committed checkpoints to keep.
+        levels: instead of ``path``, the levels fastest first,
             each a path or a mapping (``{path, storage_options, keep_last}``; the first may be node
             memory, ``{kind: memory, ...}``: ``ckpt_engine.levels.memory``).
         storage_options: fsspec options (leave credentials to fsspec's own configuration).
