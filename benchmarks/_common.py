@@ -105,6 +105,27 @@ def summary(values: Sequence[float]) -> dict[str, float]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
+def numbered(values: Sequence[float]) -> Metrics:
+    """``{"rep1_s": values[0], ...}``: each repetition's seconds under its own key."""
+    return {f"rep{i}_s": v for i, v in enumerate(values, 1)}
+
+
+def num(x: Any) -> str:
+    """A figure for a table: 3 significant digits, whole numbers from 1000 on; ``-`` for none or NaN."""
+    if not isinstance(x, (int, float)) or x != x:
+        return "-"
+    return f"{x:.0f}" if abs(x) >= 1000 else f"{x:.3g}"
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface (for a process group's rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def gbps(nbytes: int, seconds: float) -> float:
     """Throughput in GB/s (10^9 bytes per second); 0 for a zero time."""
     return nbytes / seconds / GB if seconds > 0 else 0.0
@@ -179,7 +200,7 @@ def prime_free_memory(nbytes: int) -> None:
     page faults on the host as well. 1 GiB of fresh huge pages took 0.9-1.6 s to fill after 5 s idle,
     0.16-0.20 s right after this priming, and 0.18 s right after another 1 GiB was freed (4 KiB pages:
     0.66-0.85 s primed, up to 1.29 s not). Which restore of a pair found which kind of page decided the
-    paired restore figures of sessions 15-16 (both sides bimodal). Primed before each restore, every
+    paired restore figures of the runs of 2026-11-26 (both sides bimodal). Primed before each restore, every
     contender finds recycled pages, as on a machine whose free memory is simply free. Huge pages where
     the kernel gives them (they split for 4 KiB allocations); the fill is timed by nobody.
     """
@@ -412,3 +433,50 @@ def fsync_path(path: str) -> None:
 def byte_view(t: torch.Tensor) -> memoryview:
     """A writable byte memoryview of a contiguous CPU tensor's memory."""
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+# ---- a quiet machine --------------------------------------------------------------------------------
+class CpuLoad:
+    """Busy CPU time of the whole machine (``/proc/stat``) minus this process's and its reaped
+    children's, over a stretch of wall time: how many cores other processes used meanwhile."""
+
+    def __init__(self) -> None:
+        self.wall, self.busy, self.own = time.perf_counter(), _busy_s(), _own_cpu_s()
+
+    def foreign_cores(self) -> float:
+        """Cores other processes kept busy, on average, since this object was made."""
+        wall = time.perf_counter() - self.wall
+        if wall <= 0:
+            return float("nan")
+        return max(0.0, (_busy_s() - self.busy) - (_own_cpu_s() - self.own)) / wall
+
+
+def _busy_s() -> float:
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return float("nan")
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    guest = sum(fields[8:10]) if len(fields) > 9 else 0  # already counted in user / nice
+    return (sum(fields) - idle - guest) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    import resource
+
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def wait_quiet(threshold: float, window: float = 1.0, max_wait: float = 30.0) -> tuple[float, float]:
+    """Wait until other processes use at most ``threshold`` cores over ``window`` seconds, or
+    ``max_wait`` passed. Returns (seconds waited, the last foreign load seen)."""
+    start = time.perf_counter()
+    while True:
+        probe = CpuLoad()
+        time.sleep(window)
+        load = probe.foreign_cores()
+        waited = time.perf_counter() - start
+        if load <= threshold or waited >= max_wait:
+            return waited, load

@@ -29,7 +29,7 @@ import time
 import uuid
 from typing import Any
 
-from _common import StateSpec, make_state
+from _common import StateSpec, make_state, state_bytes
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
@@ -85,7 +85,7 @@ def bench_levels(size_mib: int, reps: int, workdir: str) -> tuple[dict[str, Any]
     s3server.make_bucket(server, "bench")
     run = uuid.uuid4().hex[:8]
     raw = Storage(f"s3://bench/raw-{run}")
-    data = bytes(sum(t.numel() * t.element_size() for t in _tensors(state)))
+    data = bytes(state_bytes(state))
 
     def upload() -> None:
         raw.write_stream("raw.bin", [data])
@@ -108,18 +108,6 @@ def bench_levels(size_mib: int, reps: int, workdir: str) -> tuple[dict[str, Any]
             else:
                 os.environ[k] = v
     return rows, _report(rows, size_mib, reps)
-
-
-def _tensors(value: Any) -> list[Any]:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 def _report(rows: dict[str, Any], size_mib: int, reps: int) -> str:

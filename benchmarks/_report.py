@@ -1,4 +1,4 @@
-"""Turn the benchmark's figures into ratios, targets and PASS/FAIL, then markdown, JSON and a PNG.
+"""Turn bench_save's figures into ratios, targets and PASS/FAIL, then Markdown and JSON.
 
 Every ratio is computed from figures of the same run. ``ours ÷ limit`` and ``ours ÷ best peer`` are
 plain quotients of the displayed values (for times lower is better, for GB/s higher is better).
@@ -13,7 +13,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from _common import MiB, gbps
+from _common import MiB, gbps, num
 
 PEERS = {"torch_save": "torch.save", "lightning": "Lightning AsyncCheckpointIO",
          "dcp_save": "DCP save", "dcp_async": "DCP async_save"}
@@ -133,9 +133,9 @@ def world_rows(world: int, agg: Agg) -> list[Row]:
 def paired_stall(w: str, agg: Agg) -> list[Row]:
     """The stall target: the median over saves 2..N of each stall ÷ the threaded copy of the same
     bytes timed next to it (the slowest rank's), robust to the machine's drift between saves. Since
-    session 16 the copy runs on both sides of every save and the save is judged against their mean,
-    each side's median shown beside it; session 15's runs alternated the side (before the save in
-    even repetitions, after it in odd ones), earlier runs timed it always before."""
+    2026-11-26 (38ba48b) the copy runs on both sides of every save and the save is judged against their
+    mean, each side's median shown beside it; runs of 2026-11-26 before it alternated the side (before
+    the save in even repetitions, after it in odd ones), earlier runs timed it always before."""
     if "paired" not in agg:
         return []
     paired = agg["paired"]
@@ -262,12 +262,6 @@ def all_rows(worlds: dict[int, dict[str, Any]]) -> list[Row]:
     return rows
 
 
-def _fmt(x: float | None) -> str:
-    if x is None or x != x:
-        return "-"
-    return f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}"
-
-
 def markdown(rows: list[Row], worlds: dict[int, dict[str, Any]], config: dict[str, Any]) -> str:
     """The headline table, then every contender's raw figures per world size."""
     head = ("| ranks | metric | unit | ours | physical limit | ours ÷ limit | best peer | ours ÷ best peer "
@@ -276,8 +270,8 @@ def markdown(rows: list[Row], worlds: dict[int, dict[str, Any]], config: dict[st
              "", "Slowest rank of each world size; reads come from the page cache (nothing is dropped).", "", head]
     for r in rows:
         verdict = "info" if r.passed is None else ("PASS" if r.passed else "FAIL")
-        lines.append(f"| {r.world} | {r.metric} | {r.unit} | {_fmt(r.ours)} | {r.limit_name}: {_fmt(r.limit)} "
-                     f"| {_fmt(r.vs_limit)} | {r.peer_name}: {_fmt(r.peer)} | {_fmt(r.vs_peer)} | {r.target} "
+        lines.append(f"| {r.world} | {r.metric} | {r.unit} | {num(r.ours)} | {r.limit_name}: {num(r.limit)} "
+                     f"| {num(r.vs_limit)} | {r.peer_name}: {num(r.peer)} | {num(r.vs_peer)} | {r.target} "
                      f"| {verdict} |")
     lines += ["", *NOTES, ""]
     lines += contender_table(worlds)
@@ -293,49 +287,17 @@ def contender_table(worlds: dict[int, dict[str, Any]]) -> list[str]:
             m = res["slowest"].get(name, {})
             stall = m.get("stall_s")
             ok = {1.0: "yes", 0.0: "NO"}.get(m.get("load_ok", -1), "-")
-            lines.append(f"| {w} | {name} | {_fmt(stall * 1e3 if stall is not None else None)} "
-                         f"| {_fmt(m.get('total_s'))} | {_fmt(m.get('load_s'))} | {_fmt(m.get('load_warm_s'))} "
-                         f"| {_fmt(m['mem_extra_bytes'] / MiB if 'mem_extra_bytes' in m else None)} | {ok} |")
+            lines.append(f"| {w} | {name} | {num(stall * 1e3 if stall is not None else None)} "
+                         f"| {num(m.get('total_s'))} | {num(m.get('load_s'))} | {num(m.get('load_warm_s'))} "
+                         f"| {num(m['mem_extra_bytes'] / MiB if 'mem_extra_bytes' in m else None)} | {ok} |")
             if "load_fresh_s" in m:
-                lines.append(f"| {w} | {name} (into fresh buffer) | - | - | {_fmt(m['load_fresh_s'])} "
-                             f"| {_fmt(m.get('load_fresh_warm_s'))} | - | - |")
+                lines.append(f"| {w} | {name} (into fresh buffer) | - | - | {num(m['load_fresh_s'])} "
+                             f"| {num(m.get('load_fresh_warm_s'))} | - | - |")
             for route in ("read", "exchange", "auto"):
                 if f"restore_{route}_s" in m:
                     lines.append(f"| {w} | {name} restore(), route {route} | - | - "
-                                 f"| {_fmt(m[f'restore_{route}_s'])} | - | - | - |")
+                                 f"| {num(m[f'restore_{route}_s'])} | - | - | - |")
     return lines
-
-
-def plot(rows: list[Row], path: str) -> None:
-    """Four panels (stall, persist, restore, memory): ours, the limit and the best peer per world size."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    panels = [("stall, steady", "stall ms (log)"), ("persist throughput", "persist GB/s (rank share)"),
-              ("restore throughput, cold", "restore GB/s, cold (limit: fresh buffer)"),
-              ("peak extra host", "extra host memory MiB")]
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4.5))
-    for ax, (prefix, title) in zip(axes, panels):
-        picked = [r for r in rows if r.metric.startswith(prefix)]
-        for i, r in enumerate(picked):
-            ours = f"ours\n{_fmt(r.vs_limit)}× limit\n{_fmt(r.vs_peer)}× peer"
-            bars = [(ours, r.ours, "tab:blue"), (r.limit_name, r.limit, "tab:gray"),
-                    (r.peer_name, r.peer or 0.0, "tab:orange")]
-            for j, (label, value, color) in enumerate(bars):
-                ax.bar(i * 4 + j, value, color=color)
-                ax.text(i * 4 + j, value, f"{label}\n{_fmt(value)}", ha="center", va="bottom", fontsize=6)
-        ax.set_xticks([i * 4 + 1 for i in range(len(picked))], [f"{r.world} rank(s)" for r in picked])
-        ax.set_title(title, fontsize=9)
-        if prefix.startswith("stall"):
-            ax.set_yscale("log")
-    colors = {"ours": "tab:blue", "physical limit": "tab:gray", "best peer": "tab:orange"}
-    axes[0].legend(handles=[Patch(color=c, label=k) for k, c in colors.items()], fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def _finite(x: float) -> float | None:
@@ -343,7 +305,7 @@ def _finite(x: float) -> float | None:
 
 
 def write_report(worlds: dict[int, dict[str, Any]], config: dict[str, Any], out: str) -> str:
-    """Write ``bench_save.{md,json,png}`` under ``out``; return the markdown."""
+    """Write ``bench_save.{md,json}`` under ``out``; return the markdown."""
     os.makedirs(out, exist_ok=True)
     rows = all_rows(worlds)
     text = markdown(rows, worlds, config)
@@ -354,5 +316,4 @@ def write_report(worlds: dict[int, dict[str, Any]], config: dict[str, Any], out:
                      for r in rows]
         json.dump({"config": config, "rows": rows_json, "worlds": {str(w): res for w, res in worlds.items()}},
                   f, indent=1, allow_nan=False)
-    plot(rows, os.path.join(out, "bench_save.png"))
     return text

@@ -1,12 +1,10 @@
 """A slower disk for the benchmarks: local storage whose data-file writes take longer, at no CPU cost.
 
-Its own module (no Lightning, no ``lightning_ckpt``: only ``ckpt_engine.storage``), so that a
-``_transformer_job`` fit imports it without charging another contender's imports to its CPU;
-``_lightning_job`` re-exports it for ``bench_overhead``.
+Its own module (no Lightning, no ``lightning_ckpt``: only ``ckpt_engine.storage``), so that a fit of
+``_lightning_job`` imports it without charging another contender's imports to its CPU.
 
-:data:`SLOW` is process-wide: ``bench_overhead`` flips ``on`` from the training thread at a given
-step (``_lightning_job.SlowSwitch``); a fit on a disk of a fixed rate sets it once with
-:func:`throttle`.
+:data:`SLOW` is process-wide: a fit on a disk of a fixed rate sets it once with :func:`throttle`;
+``bench_overhead``'s slowed fit calls :func:`throttle` from the training thread at a given step.
 """
 
 from __future__ import annotations

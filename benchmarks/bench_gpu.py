@@ -704,8 +704,8 @@ def markdown(res: dict[str, Any]) -> str:
                 continue
             lines.append(
                 f"| {size} | {name} | {_f(r['stall_s'], 1e3)} | {_f(r['stall_s'] - s['encode_s'], 1e3)} "
-                f"| {_f(r['mutable_s'], 1e3)} | {_f(r['gpu_delay_s'], 1e3)} | {_f(r['gpu_delay_control_s'], 1e3)} "
-                f"| {_f(r['gpu_delay_net_s'] / lim['d2h_s'])} "
+                f"| {_f(r['mutable_s'], 1e3)} | {_f(r['gpu_delay_s'], 1e3)} | {_f(r.get('gpu_delay_control_s'), 1e3)} "
+                f"| {_net(r, lim['d2h_s'])} "
                 f"| {_f(r['gpu_delay_to_mutable_s'], 1e3)} "
                 f"| {_f(r['durable_s'])} | {_f(r['persist_gbps'])} | {_f(r['persist_gbps'] / lim['raw_write_gbps'])} |")
     t = res.get("train")
@@ -725,6 +725,12 @@ def markdown(res: dict[str, Any]) -> str:
             lines.append(f"| {name} | {r['checkpoints']} | {_f(r['step_s'], 1e3)} | {_f(r['overhead'], 100, '.1f')} % "
                          f"| {_f(r.get('stall_ms_median'))} | {notes} |")
     return "\n".join(lines) + "\n"
+
+
+def _net(r: dict[str, Any], d2h_s: float) -> str:
+    """(delay − control) ÷ D2H; runs before the control was timed (2026-11-26) show the delay ÷ D2H."""
+    net = r.get("gpu_delay_net_s")
+    return _f(net / d2h_s) if net is not None else f"{_f(r['gpu_delay_s'] / d2h_s)} (no control)"
 
 
 def _figs(figs: Any) -> str:

@@ -94,7 +94,9 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def _run(args: argparse.Namespace, mode: str, wait_for: str | None = None) -> list[subprocess.Popen] | dict:
-    port = str(_free_port())
+    from _common import free_port  # not at the top: a worker's imports are part of its timed start
+
+    port = str(free_port())
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
@@ -109,14 +111,6 @@ def _run(args: argparse.Namespace, mode: str, wait_for: str | None = None) -> li
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     return json.loads(outs[0].strip().splitlines()[-1])
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

@@ -47,9 +47,9 @@ from ckpt_engine.storage import fsspec_storage  # noqa: E402
 
 LIMIT = {"ours to s3": "raw s3fs upload", "ours to local disk": "raw local write+fsync",
          "ours read-back from s3": "raw s3fs read-back"}
-"""Each of ours and the raw contender it is measured against (as report.py does for the writes)."""
+"""Each of ours and the raw contender it is measured against."""
 READS = ("raw s3fs read-back", "raw boto3 read-back", "ours read-back from s3", "ours load() from s3")
-"""Rows kept apart in the JSON (``read_seconds``): report.py renders ``seconds`` as writes."""
+"""Rows kept apart in the JSON (``read_seconds``) from the writes (``seconds``)."""
 
 
 def make_state(size_mib: int) -> dict:

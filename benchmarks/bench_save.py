@@ -35,7 +35,6 @@ import json
 import os
 import resource
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -51,9 +50,9 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _levels import bench_levels  # noqa: E402
 from ckpt_engine import hugepages  # noqa: E402
-from _common import (MemProbe, Metrics, RankCtx, StateSpec, best_of, byte_view, make_state, timed_save,  # noqa: E402
-                     read_into, set_page_cache, share_slices, state_bytes, states_equal, summary, timed,
-                     write_fsync, aligned_copy)
+from _common import (MemProbe, Metrics, RankCtx, StateSpec, aligned_copy, best_of, byte_view,  # noqa: E402
+                     free_port, make_state, numbered, read_into, set_page_cache, share_slices, state_bytes,
+                     states_equal, summary, timed, timed_save, write_fsync)
 from _peers import bench_dcp_async, bench_dcp_save, bench_lightning, bench_torch_save, cold_and_warm_loads  # noqa: E402
 from _report import write_report  # noqa: E402
 
@@ -215,7 +214,7 @@ def bench_ours(ctx: RankCtx) -> dict[str, Metrics]:
         # The copy limit of the same bytes is timed on both sides of every save: right before it and
         # right after it (once committed and the retention done), and the save is judged against their
         # mean. Which of the two runs first after a 1 GiB write moves their ratio here by up to 0.1
-        # (session 14's probe), and the machine drifts between saves (the same copy took 96-161 ms within
+        # (a probe of 2026-11-26), and the machine drifts between saves (the same copy took 96-161 ms within
         # one run): the mean of both sides cancels a drift that is linear over the save.
         before = limit()
         ctx.barrier()
@@ -251,13 +250,13 @@ def bench_ours(ctx: RankCtx) -> dict[str, Metrics]:
     ck.close()
     ctx.remove("ours")
     ours = _ours_metrics(saves, loads)
-    return {"memcpy": {"stall_s": min(memcpy), "share_bytes": buf.numel(), **_numbered(memcpy)},
-            "memcpy_threads": {"stall_s": min(memcpy_t), "threads": torch.get_num_threads(), **_numbered(memcpy_t)},
+    return {"memcpy": {"stall_s": min(memcpy), "share_bytes": buf.numel(), **numbered(memcpy)},
+            "memcpy_threads": {"stall_s": min(memcpy_t), "threads": torch.get_num_threads(), **numbered(memcpy_t)},
             "paired": {**paired_stalls(saves), **paired},
             "raw_write": {"total_first_s": writes[0], "total_s": min(writes[1:] or writes), "bytes": buf.numel(),
-                          **_numbered(writes)},
+                          **numbered(writes)},
             "raw_write_direct": {"total_first_s": dwrites[0], "total_s": min(dwrites[1:] or dwrites),
-                                 "bytes": buf.numel(), **_numbered(dwrites)},
+                                 "bytes": buf.numel(), **numbered(dwrites)},
             "ours": ours}
 
 
@@ -279,10 +278,6 @@ def paired_stalls(saves: list[Metrics]) -> Metrics:
             "stall_vs_copy_median_before": median_vs(lambda s: s["copy_before_s"]),
             "stall_vs_copy_median_after": median_vs(lambda s: s["copy_after_s"]),
             "pairs": float(len(steady))}
-
-
-def _numbered(values: list[float]) -> Metrics:
-    return {f"rep{i}_s": v for i, v in enumerate(values, 1)}
 
 
 def best_loads(ctx: RankCtx, paths: list[str], load: Callable[[], Any]) -> Metrics:
@@ -345,7 +340,7 @@ def paired_restores(ctx: RankCtx, load: Callable[[], Any]) -> Metrics:
         return seconds
 
     # Every round times one raw read against one load, into the kind of fresh memory chosen once,
-    # here. Sessions 9-16 took the faster of a 4 KiB and a huge-page read in every round, a best of two
+    # here. Runs up to 2026-11-26 took the faster of a 4 KiB and a huge-page read in every round, a best of two
     # against a single load: a stall of the raw read counted only where it hit both of its reads (even
     # so, warm raw reads 2-5 times slower than usual in 2 of 10 rounds per run; ours in 2-6 of 10).
     kind = faster_memory(ctx, raw, nbytes)
@@ -458,7 +453,7 @@ def spawn_ranks(main: Any, world: int, cfg: Any) -> list[dict]:
     """Run ``main(rank, world, cfg, workdir, port)`` in ``world`` processes; each rank's ``rank-N.json``."""
     workdir = os.path.join(cfg.dir, f"world{world}")
     os.makedirs(workdir, exist_ok=True)
-    mp.spawn(main, args=(world, cfg, workdir, _free_port()), nprocs=world, join=True)
+    mp.spawn(main, args=(world, cfg, workdir, free_port()), nprocs=world, join=True)
     ranks = []
     for r in range(world):
         with open(os.path.join(workdir, f"rank-{r}.json")) as f:
@@ -483,12 +478,6 @@ def _slowest(ranks: list[dict[str, Metrics]]) -> dict[str, Metrics]:
                 pick = min if key == "load_ok" else max
                 merged[name][key] = pick(merged[name].get(key, value), value)
     return merged
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse_args(argv: list[str] | None = None) -> Config:

@@ -12,7 +12,6 @@ taken, so the optimizer state exists). Per rank, on that same state, back to bac
   (committed), peak RSS growth;
 * restore: ``restore(into=state)`` + ``set_state_dict`` and ``dcp.load`` + ``set_state_dict``, each
   from its own checkpoint of the state, alternated;
-* diagnostic (``--solo-reps``): the ranks save one at a time, each copy alone on the machine;
 * peers: ``torch.distributed.checkpoint.save`` (synchronous);
   ``async_save`` with its default stager, with a reused ``DefaultStager`` staging in the background
   (pinned memory where CUDA exists), and with ``AsyncCheckpointerType.PROCESS``; Lightning's
@@ -53,8 +52,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (MemProbe, Metrics, MiB, RankCtx, byte_view, drop_page_cache, summary, timed,  # noqa: E402
-                     timed_save)
+from _common import (MemProbe, Metrics, MiB, RankCtx, byte_view, drop_page_cache, num, numbered,  # noqa: E402
+                     summary, timed, timed_save)
 from bench_save import RawWriter, _slowest, spawn_ranks  # noqa: E402
 
 PEERS = ("lightning", "dcp_save", "dcp_async", "dcp_async_stager", "dcp_async_process")
@@ -76,7 +75,6 @@ class Config:
     reps: int
     peer_reps: int
     restore_reps: int
-    solo_reps: int
     worlds: tuple[int, ...]
     peers: tuple[str, ...]
     keep: bool
@@ -191,7 +189,6 @@ class Rank:
     opt: torch.optim.Optimizer
     ref: Reference
     restore_reps: int
-    solo_reps: int
 
     def timed_restore(self, root: str, load: Callable[[], Any]) -> Metrics:
         """Evict ``root``, wipe the state, time ``load()`` then ``set_state_dict``; check bit-exactness."""
@@ -282,45 +279,9 @@ def bench_ours(r: Rank) -> dict[str, Metrics]:
     for i, s in enumerate(saves, 1):
         ours.update({f"rep{i}_{k}": v for k, v in s.items() if k not in ("share_bytes", "memcpy_s")})
     return {"ours": ours,
-            "memcpy": {"stall_s": min(memcpy), "share_bytes": buf.numel(), **_numbered(memcpy)},
+            "memcpy": {"stall_s": min(memcpy), "share_bytes": buf.numel(), **numbered(memcpy)},
             "raw_write_direct": {"total_s": min(writes[1:] or writes), "total_first_s": writes[0],
-                                 "bytes": buf.numel(), **_numbered(writes)}}
-
-
-def bench_solo(r: Rank) -> dict[str, Metrics]:
-    """Diagnostic: the ranks save one at a time (the others wait at a barrier) once the previous one's
-    data file is written (``busy()`` false), so each copy runs without other ranks' copies or persists
-    on the machine; memcpy is timed just before, alone too. Best of ``solo_reps`` rounds (after one
-    save of all ranks together that allocates the buffer)."""
-    from ckpt_engine import Checkpointer, TorchDistComm
-
-    ctx = r.ctx
-    buf, copy = share_copy(local_tensors(ctx.state))
-    ck = Checkpointer(ctx.path("solo"), comm=TorchDistComm(), keep_last=1)
-    ck.save(ctx.state, 0)
-    ck.wait()
-    rounds = []
-    for step in range(1, r.solo_reps + 1):
-        for turn in range(ctx.world):
-            ctx.barrier()
-            if ctx.rank == turn:
-                memcpy = timed(copy)[0]
-                stall = timed(lambda: ck.save(ctx.state, step))[0]
-                rec = ck.records[-1]
-                rounds.append({"stall_s": stall, "encode_s": rec.encode_s, "snapshot_s": rec.snapshot_s,
-                               "memcpy_s": memcpy})
-                while ck.busy():
-                    time.sleep(0.002)
-        ck.wait(retention=True)  # the older checkpoint deleted before the next round's memcpy
-    ck.close()
-    ctx.remove("solo")
-    best = min(rounds, key=lambda m: m["stall_s"])
-    return {"solo": {**{f"best_{k}": v for k, v in best.items()},
-                     **{f"min_{k}": min(m[k] for m in rounds) for k in best}}}
-
-
-def _numbered(values: list[float]) -> Metrics:
-    return {f"rep{i}_s": v for i, v in enumerate(values, 1)}
+                                 "bytes": buf.numel(), **numbered(writes)}}
 
 
 def _best(rounds: list[Metrics]) -> Metrics:
@@ -387,8 +348,8 @@ def bench_restore(r: Rank) -> dict[str, Metrics]:
             fn()
     ck.close()
     ctx.remove("restore-")
-    return {"restore_ours": {**_best(ours), **_numbered([m["load_s"] for m in ours])},
-            "restore_dcp": {**_best(theirs), **_numbered([m["load_s"] for m in theirs])}}
+    return {"restore_ours": {**_best(ours), **numbered([m["load_s"] for m in ours])},
+            "restore_dcp": {**_best(theirs), **numbered([m["load_s"] for m in theirs])}}
 
 
 def bench_lightning(r: Rank) -> Metrics:
@@ -472,7 +433,7 @@ def stages(cfg: Config) -> list[Callable[[Rank], dict[str, Metrics]]]:
     def alone(name: str) -> Callable[[Rank], dict[str, Metrics]]:
         return lambda r: {name: PEER_FNS[name](r)}
 
-    return [bench_ours, bench_restore, *(alone(p) for p in cfg.peers), *([bench_solo] if cfg.solo_reps else [])]
+    return [bench_ours, bench_restore, *(alone(p) for p in cfg.peers)]
 
 
 # ---- processes ------------------------------------------------------------------------------------------
@@ -486,7 +447,7 @@ def rank_main(rank: int, world: int, cfg: Config, workdir: str, port: int) -> No
     build_s, (model, opt) = timed(lambda: build(cfg, world))
     state = sharded_state(model, opt)
     ctx = RankCtx(rank, world, state, workdir, cfg.reps, cfg.peer_reps)
-    r = Rank(ctx, model, opt, Reference(state), cfg.restore_reps, cfg.solo_reps)
+    r = Rank(ctx, model, opt, Reference(state), cfg.restore_reps)
     results: dict[str, Metrics] = {}
     for stage in stages(cfg):
         elapsed, produced = timed(lambda: stage(r))
@@ -523,12 +484,6 @@ def add_copy_lag(ranks: list[dict[str, Metrics]], reps: int) -> None:
 
 
 # ---- report ---------------------------------------------------------------------------------------------
-def _fmt(x: float | None) -> str:
-    if x is None or x != x:
-        return "-"
-    return f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}"
-
-
 def _row(world: int, metric: str, value: float, figures: str, target: str, ok: bool | None) -> dict[str, Any]:
     return {"ranks": world, "metric": metric, "ratio": value, "figures": figures, "target": target, "passed": ok}
 
@@ -578,17 +533,17 @@ def contender_lines(worlds: dict[int, dict[str, Any]]) -> list[str]:
             call = m.get("stall_s")
             mutable = m.get("mutable_s", call)
             mem = m.get("mem_extra_bytes")
-            lines.append(f"| {w} | {PEER_NAMES.get(name, name)} | {_fmt(call * 1e3 if call is not None else None)} "
-                         f"| {_fmt(mutable * 1e3 if mutable is not None else None)} | {_fmt(m.get('total_s'))} "
-                         f"| {_fmt(mem / MiB if mem is not None else None)} |")
+            lines.append(f"| {w} | {PEER_NAMES.get(name, name)} | {num(call * 1e3 if call is not None else None)} "
+                         f"| {num(mutable * 1e3 if mutable is not None else None)} | {num(m.get('total_s'))} "
+                         f"| {num(mem / MiB if mem is not None else None)} |")
     lines += ["", "| ranks | restore | total s | read s | set_state_dict s | extra RSS MiB | bit-exact |",
               "|---|---|---|---|---|---|---|"]
     for w, res in worlds.items():
         for name, label in (("restore_ours", "ours `restore(into=state)`"), ("restore_dcp", "DCP `load`")):
             m = res["slowest"][name]
             ok = "yes" if m["load_ok"] == 1.0 else "NO"
-            lines.append(f"| {w} | {label} | {_fmt(m['load_s'])} | {_fmt(m['read_s'])} | {_fmt(m['set_state_s'])} "
-                         f"| {_fmt(m['load_mem_extra_bytes'] / MiB)} | {ok} |")
+            lines.append(f"| {w} | {label} | {num(m['load_s'])} | {num(m['read_s'])} | {num(m['set_state_s'])} "
+                         f"| {num(m['load_mem_extra_bytes'] / MiB)} | {ok} |")
     return lines
 
 
@@ -600,21 +555,10 @@ def profile_lines(worlds: dict[int, dict[str, Any]]) -> list[str]:
     for w, res in worlds.items():
         o = max((r["ours"] for r in res["ranks"]), key=lambda o: o["stall_s"])
         rest = o["best_stall_s"] - o["best_encode_s"] - o["best_snapshot_s"]
-        lines.append(f"| {w} | {int(o['tensors'])} | {_fmt(o['share_bytes'] / MiB)} | {_fmt(o['best_stall_s'] * 1e3)} "
-                     f"| {_fmt(o['best_encode_s'] * 1e3)} ({_fmt(o['best_encode_s'] / o['tensors'] * 1e6)}) "
-                     f"| {_fmt(o['best_snapshot_s'] * 1e3)} | {_fmt(rest * 1e3)} | {_fmt(o['best_memcpy_s'] * 1e3)} "
-                     f"| {_fmt(o['best_snapshot_s'] / o['best_memcpy_s'])} | {_fmt(o['best_lag_s'] * 1e3)} |")
-    if all("solo" in res["slowest"] for res in worlds.values()):
-        lines += ["", "Diagnostic, each rank saving alone (the others wait; slowest rank's best round):", "",
-                  "| ranks | stall ms | encode + plan ms (µs / tensor) | copy ms | memcpy just before ms "
-                  "| stall ÷ memcpy | copy ÷ memcpy |", "|---|---|---|---|---|---|---|"]
-        for w, res in worlds.items():
-            o = max((r["solo"] for r in res["ranks"]), key=lambda o: o["best_stall_s"])
-            n = res["slowest"]["ours"]["tensors"]
-            lines.append(f"| {w} | {_fmt(o['best_stall_s'] * 1e3)} | {_fmt(o['best_encode_s'] * 1e3)} "
-                         f"({_fmt(o['best_encode_s'] / n * 1e6)}) | {_fmt(o['best_snapshot_s'] * 1e3)} "
-                         f"| {_fmt(o['best_memcpy_s'] * 1e3)} | {_fmt(o['best_stall_s'] / o['best_memcpy_s'])} "
-                         f"| {_fmt(o['best_snapshot_s'] / o['best_memcpy_s'])} |")
+        lines.append(f"| {w} | {int(o['tensors'])} | {num(o['share_bytes'] / MiB)} | {num(o['best_stall_s'] * 1e3)} "
+                     f"| {num(o['best_encode_s'] * 1e3)} ({num(o['best_encode_s'] / o['tensors'] * 1e6)}) "
+                     f"| {num(o['best_snapshot_s'] * 1e3)} | {num(rest * 1e3)} | {num(o['best_memcpy_s'] * 1e3)} "
+                     f"| {num(o['best_snapshot_s'] / o['best_memcpy_s'])} | {num(o['best_lag_s'] * 1e3)} |")
     return lines
 
 
@@ -642,7 +586,7 @@ def markdown(rows: list[dict[str, Any]], worlds: dict[int, dict[str, Any]], conf
              "| ranks | ratio | value | figures | target | result |", "|---|---|---|---|---|---|"]
     for r in rows:
         verdict = "info" if r["passed"] is None else ("PASS" if r["passed"] else "FAIL")
-        lines.append(f"| {r['ranks']} | {r['metric']} | {_fmt(r['ratio'])} | {r['figures']} | {r['target']} "
+        lines.append(f"| {r['ranks']} | {r['metric']} | {num(r['ratio'])} | {r['figures']} | {r['target']} "
                      f"| {verdict} |")
     lines += ["", *contender_lines(worlds), "", "Where the stall of the slowest rank's best save goes:", "",
               *profile_lines(worlds), "", *NOTES]
@@ -685,14 +629,10 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument("--reps", type=int, default=9, help="saves of ours per world size (default 9)")
     p.add_argument("--peer-reps", type=int, default=2, help="rounds of each peer, best kept (default 2)")
     p.add_argument("--restore-reps", type=int, default=3, help="restores of ours and of DCP, alternated (default 3)")
-    p.add_argument("--solo-reps", type=int, default=3,
-                   help="diagnostic rounds in which the ranks save one at a time; 0 skips it (default 3)")
     p.add_argument("--worlds", default="2,4", help="rank counts to run (default 2,4)")
     p.add_argument("--peers", default=",".join(PEERS), help=f"peers to run (default all: {','.join(PEERS)})")
     p.add_argument("--keep", action="store_true", help="keep the working directory (each rank's raw JSON)")
     a = p.parse_args(argv)
-    if a.solo_reps < 0:
-        p.error(f"--solo-reps must be >= 0, got {a.solo_reps}")
     if min(a.size_mib, a.width, a.reps, a.peer_reps, a.restore_reps) < 1:
         p.error(f"--size-mib, --width, --reps, --peer-reps and --restore-reps must be >= 1, got "
                 f"{a.size_mib}, {a.width}, {a.reps}, {a.peer_reps}, {a.restore_reps}")
@@ -704,8 +644,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
     if unknown:
         p.error(f"--peers: unknown {unknown}; choose from {','.join(PEERS)}")
     workdir = tempfile.mkdtemp(prefix="bench_sharded-", dir=a.dir or "/tmp")
-    return Config(a.size_mib, a.width, a.out, workdir, a.reps, a.peer_reps, a.restore_reps, a.solo_reps, worlds, peers,
-                  a.keep)
+    return Config(a.size_mib, a.width, a.out, workdir, a.reps, a.peer_reps, a.restore_reps, worlds, peers, a.keep)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,10 +14,10 @@ the run's stall row takes the slowest rank's median of its own ratios instead, s
 differ from the per-run median here by a few hundredths. The pairs:
 
 * stall: each save 2..N ÷ the mean of the threaded copies timed right before and right after it
-  (runs of session 15 and earlier, which timed one side only, pair with that side);
+  (runs before 38ba48b, 2026-11-26, which timed one side only, pair with that side);
 * persist: the faster raw write + fsync of the round ÷ our time after the stall, saves 2..N;
 * restore, cold and warm: the raw read into fresh memory of the round ÷ our ``load()``; from
-  session 19 on, also the same raw read hashed as ``load()`` verifies (xxh3 of every MiB): raw ÷
+  2026-11-27 (c22a51e) on, also the same raw read hashed as ``load()`` verifies (xxh3 of every MiB): raw ÷
   verified (the cap: the most a restore that checks every byte reaches) and verified ÷ ours.
 
 Informative figures (no target) sit beside the targets they bound or explain: the copy inside
@@ -111,7 +111,7 @@ def rank_pairs(rank: dict[str, Metrics]) -> dict[str, list[float]]:
         times = {name: [paired.get(f"restore_{cache}_{i}_{name}_s") for i in found]
                  for name in ("raw", "ours", "verified")}
         pairs = {"": ("raw", "ours"), "_cap": ("raw", "verified"), "_verified": ("verified", "ours")}
-        for suffix, (num, den) in pairs.items():  # the verified read: session 19 on
+        for suffix, (num, den) in pairs.items():  # the verified read: from c22a51e on
             if found and None not in times[num] + times[den]:
                 out[f"restore_{cache}{suffix}"] = [a / b for a, b in zip(times[num], times[den])]
     return out

@@ -1,10 +1,10 @@
-"""benchmarks/report.py renders tables and plots from benchmark JSON into the README between its
-markers, leaving the hand-written text alone (synthetic JSON: no benchmark is run)."""
+"""The benchmarks' harness: benchmarks/report.py writes the latest figures of benchmarks/results/ into
+benchmarks/README.md between each benchmark's markers; bench_save's rows, pairs and pooling; the
+Lightning job's summaries (synthetic figures: no benchmark is run)."""
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import statistics
 import sys
@@ -12,98 +12,77 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+BENCHMARKS = os.path.join(HERE, "..", "benchmarks")
 
 
 @pytest.fixture(scope="module")
 def report():
-    spec = importlib.util.spec_from_file_location("bench_report", os.path.join(HERE, "..", "benchmarks", "report.py"))
+    spec = importlib.util.spec_from_file_location("bench_report", os.path.join(BENCHMARKS, "report.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the class is created
     spec.loader.exec_module(module)
     return module
 
 
-def save_row(world, metric, unit, ours, limit, peer, passed):
-    return {"world": world, "metric": metric, "unit": unit, "ours": ours, "limit": limit, "limit_name": "memcpy",
-            "peer": peer, "peer_name": "torch.save" if peer else "-", "target": "≤ 1.10 × limit", "passed": passed,
-            "ours_vs_limit": ours / limit, "ours_vs_peer": ours / peer if peer else None}
+def test_the_readme_holds_the_figures_of_results(report):
+    """benchmarks/README.md shows, per benchmark, what report.py renders from benchmarks/results/:
+    after adding or removing a result file, re-render with `.venv/bin/python benchmarks/report.py`."""
+    with open(os.path.join(BENCHMARKS, "README.md")) as f:
+        text = f.read()
+    assert report.render_readme(text, os.path.join(BENCHMARKS, "results")) == text
+    for section in report.SECTIONS:
+        assert f"\n## {section}\n" in text  # the anchors the project's README links to
 
 
-def lightning_row(label, overhead):
-    return {"label": label, "overhead": overhead, "dc_overhead": overhead / 2, "stall_ms": 5.0, "n_ckpt": 10.0}
-
-
-SYNTHETIC = {
-    "save": {"config": {"size_mib": 64, "worlds": [1], "cpu_count": 2, "torch": "2.x"},
-             "rows": [save_row("1", "stall, steady", "ms", 11.0, 10.0, 20.0, True),
-                      save_row("1", "persist throughput", "GB/s", 1.0, 2.0, None, False)]},
-    "s3": {"size_mib": 32,
-           "seconds": {"raw s3fs upload": [2.0], "ours to s3": [1.0], "raw local write+fsync": [0.5],
-                       "ours to local disk": [0.25]},
-           "gb_per_s": {"raw s3fs upload": 0.5, "ours to s3": 1.0, "raw local write+fsync": 2.0,
-                        "ours to local disk": 4.0}},
-    "lightning": {"config": {"state_mib": 60.0, "every": 10},
-                  "summaries": [{"devices": 1, "steps": 100, "iteration_ms": 20.0, "baseline_spread": 0.1,
-                                 "rows": {"none": lightning_row("no checkpointing", 0.0),
-                                          "mc_sync": lightning_row("ModelCheckpoint (sync torch.save)", 0.5),
-                                          "ours": lightning_row("ours, pipeline=False", 0.1)}}]},
-    "overhead": {"config": {"steps": 400},
-                 "summary": {"iteration_ms": 30.0, "k": 37,
-                             "rows": {"none": {"overhead": 0.0, "dc_overhead": 0.0, "n_ckpt": 0.0,
-                                               "mean_interval": float("nan"), "stall_ms": float("nan")},
-                                      "ours_3.5%": {"overhead": 0.03, "dc_overhead": 0.04, "n_ckpt": 9.0,
-                                                    "mean_interval": 30.0, "stall_ms": 10.0},
-                                      "mc_sync": {"overhead": 0.08, "dc_overhead": 0.07, "n_ckpt": 10.0,
-                                                  "mean_interval": 37.0, "stall_ms": 160.0}},
-                             "more_checkpoints": {"peer": "mc_sync", "ratio": 2.0}},
-                 "slowdown": {"slow_at_step": 350, "effective_mb_per_s": 28.0, "interval_before": 58.0,
-                              "interval_after": 246.0, "overhead_before": 0.13, "overhead_after": 0.19}},
-}
-
-
-def test_render_between_markers_keeps_hand_written_text(report, tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    for name, data in SYNTHETIC.items():
-        (out / f"bench_{name}.json").write_text(json.dumps(data))
+def test_each_family_s_latest_date_is_rendered_between_its_markers(report, tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    table = "| a | b |\n|---|---|\n| 1 | 2 |\n"
+    (results / "bench_s3_2026-01-01.md").write_text("# old\n\nRun 2026-01-01, old VM.\n\n" + table)
+    (results / "bench_s3_2026-02-01_run_A.md").write_text(
+        "# s3\n\nRun 2026-02-01, VM, commit abc.\n\n" + table + "\n| x |\n|---|\n| ratio |\n\n| third |\n|---|\n")
+    (results / "bench_lightning_memory_2026-02-01.md").write_text(
+        "Run 2026-02-01.\n\n| t |\n|---|\n\n- every step: 2.00 × → FAIL\n")
+    (results / "bench_recovery_2026-02-01.json").write_text("{}")  # the Markdown of the same run is shown
+    (results / "bench_recovery_2026-02-01.md").write_text(
+        "Run 2026-02-01.\n\n| r |\n|---|\n\nmemory / disk: **0.23 x** (target <= 0.3)\n")
+    sections = "".join(f"## {s}\n\nHand-written.\n\n{report.markers(s)[0]}\nstale\n{report.markers(s)[1]}\n\n"
+                       for s in report.SECTIONS)
     readme = tmp_path / "README.md"
-    readme.write_text(f"# Benchmarks\n\nHand-written analysis.\n\n{report.BEGIN}\nold figures\n{report.END}\n\nTail.\n")
-    args = ["--from-json", "--out", str(out), "--readme", str(readme), "--plots", str(tmp_path / "plots")]
+    readme.write_text("# Benchmarks\n\n" + sections + "Tail.\n")
+    args = ["--readme", str(readme), "--results", str(results)]
+    assert report.main([*args, "--check"]) == 1
     assert report.main(args) == 0
     text = readme.read_text()
-    assert text.startswith("# Benchmarks\n\nHand-written analysis.\n") and text.endswith("\n\nTail.\n")
-    assert "old figures" not in text and text.count(report.BEGIN) == 1
-    assert "| 1 | stall, steady | ms | 11 | memcpy: 10 | 1.1 | torch.save: 20 | 0.55 | ≤ 1.10 × limit | PASS |" in text
-    assert "| ours to s3 | 1 | 1 | 2 |" in text and "| ModelCheckpoint (sync torch.save) | +50.0 % |" in text
-    assert "| ours_3.5% | +3.0 % | +4.0 % | 9.0 | 30.0 | 10 |" in text and "2.00 × (target ≥ 3 ×)" in text
-    for name in ("save", "s3", "lightning", "overhead"):
-        assert (tmp_path / "plots" / f"report_{name}.png").stat().st_size > 1000
-        assert f"](plots/report_{name}.png)" in text
-    assert report.main(args) == 0 and readme.read_text() == text  # idempotent
+    assert "stale" not in text and text.endswith("Tail.\n") and text.count("Hand-written.") == len(report.SECTIONS)
+    begin, end = report.markers("bench_s3")
+    s3 = text.split(begin)[1].split(end)[0]
+    assert "results/bench_s3_2026-02-01_run_A.md" in s3 and "Run 2026-02-01, VM, commit abc" in s3
+    assert "2026-01-01" not in s3 and "| ratio |" in s3 and "| third |" not in s3  # its two headline tables
+    assert "- every step: 2.00 × → FAIL" in text and "memory / disk: **0.23 x** (target <= 0.3)" in text
+    assert "bench_recovery_2026-02-01.json" not in text and "No run of `bench_plan.py`" in text
+    assert report.main([*args, "--check"]) == 0 and report.main(args) == 0 and readme.read_text() == text
 
 
-def test_missing_markers_append_and_broken_json_is_reported(report, tmp_path, capsys):
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "bench_s3.json").write_text(json.dumps(SYNTHETIC["s3"]))
-    (out / "bench_save.json").write_text(json.dumps({"config": {}}))
+def test_a_result_named_otherwise_and_a_readme_without_markers_are_refused(report, tmp_path, capsys):
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "bench_save_run_A.json").write_text("{}")
     readme = tmp_path / "README.md"
-    readme.write_text("# Benchmarks\n\nNotes.\n")
-    assert report.main(["--from-json", "--out", str(out), "--readme", str(readme),
-                        "--plots", str(tmp_path / "p")]) == 0
-    text = readme.read_text()
-    assert text.startswith("# Benchmarks\n\nNotes.\n\n" + report.BEGIN) and text.rstrip().endswith(report.END)
-    assert "not rendered: bench_save.json" in text and "| ours to s3 |" in text
-    assert "bench_save.json: cannot render" in capsys.readouterr().err
-    assert report.main(["--from-json", "--out", str(tmp_path / "empty"), "--readme", str(readme)]) == 2
-    with pytest.raises(SystemExit):
-        report.main(["--only", "nope", "--from-json"])
+    readme.write_text("# Benchmarks\n")
+    args = ["--readme", str(readme), "--results", str(results)]
+    assert report.main(args) == 2 and "bench_save_run_A.json: not named" in capsys.readouterr().err
+    (results / "bench_save_run_A.json").rename(results / "bench_nope_2026-01-01.md")
+    assert report.main(args) == 2 and "no benchmark named bench_nope" in capsys.readouterr().err
+    (results / "bench_nope_2026-01-01.md").unlink()
+    assert report.main(args) == 2 and "lacks the markers" in capsys.readouterr().err
+    assert readme.read_text() == "# Benchmarks\n"
 
 
 @pytest.fixture
 def save_rows(monkeypatch):
     """benchmarks/_report.py, which turns bench_save's figures into rows and targets."""
-    monkeypatch.syspath_prepend(os.path.join(HERE, "..", "benchmarks"))
+    monkeypatch.syspath_prepend(BENCHMARKS)
     return importlib.import_module("_report")
 
 
@@ -139,7 +118,7 @@ def test_the_stall_target_brackets_each_save_with_the_copy_on_both_sides(save_ro
     judged against the mean of its two copies (a drift of the machine that is linear over the save
     cancels, and neither side's bias counts alone), over saves 2..N; the medians against each side
     alone are shown beside it, informative only."""
-    monkeypatch.syspath_prepend(os.path.join(HERE, "..", "benchmarks"))
+    monkeypatch.syspath_prepend(BENCHMARKS)
     from bench_save import paired_stalls
 
     def save(stall, before, after):
@@ -161,7 +140,7 @@ def test_the_stall_target_brackets_each_save_with_the_copy_on_both_sides(save_ro
     saves[4] = save(1.5, 1.0, 1.0)
     saves.append(save(1.4, 1.0, 1.0))  # steady: 1.0, 1.0, 1.1, 1.5, 1.4
     assert paired_stalls(saves)["stall_vs_copy_median"] == pytest.approx(1.1) and paired_stalls(saves)["pairs"] == 5
-    # runs of older bench_saves render as they did: session 15's alternating orders, and before it the copy first
+    # runs of older bench_saves render as they did: the copy's side alternating (2026-11-26), before it the copy first
     s15 = {"stall_vs_copy_median": 1.125, "stall_vs_copy_median_limit_first": 1.025, "pairs_limit_first": 2.0,
            "stall_vs_copy_median_save_first": 1.25, "pairs_save_first": 2.0}
     main, before, after = save_rows.paired_stall("1", {"paired": s15})
@@ -175,7 +154,7 @@ def test_bench_save_times_nothing_while_a_retention_still_runs_and_brackets_each
     the deletion of older checkpoints (keep_last, a background thread) is waited for before the
     next timed step, the copy limit or a raw write, so it slows neither; the copy limit runs right
     before every save and right after it."""
-    monkeypatch.syspath_prepend(os.path.join(HERE, "..", "benchmarks"))
+    monkeypatch.syspath_prepend(BENCHMARKS)
     import torch
 
     import bench_save
@@ -213,7 +192,7 @@ def test_bench_save_times_nothing_while_a_retention_still_runs_and_brackets_each
 def test_interleaved_rounds_run_a_contenders_settling_untimed_before_the_next(monkeypatch):
     """bench_s3 runs its contenders in turn; ours returns the wait for its retention (the older
     checkpoint's objects deleted), which must run before the next contender and count for nobody."""
-    monkeypatch.syspath_prepend(os.path.join(HERE, "..", "benchmarks"))
+    monkeypatch.syspath_prepend(BENCHMARKS)
     import time
 
     import bench_s3
@@ -233,7 +212,7 @@ def test_timed_save_times_stall_and_commit_and_waits_for_the_retention_untimed(m
     """The one way the benchmarks time a save of ours (bench_save, bench_sharded): save() is the stall,
     save() + wait() the time to committed, and the retention (wait(retention=True)) is over when it
     returns but in neither figure."""
-    monkeypatch.syspath_prepend(os.path.join(HERE, "..", "benchmarks"))
+    monkeypatch.syspath_prepend(BENCHMARKS)
     import time
 
     from _common import timed_save
@@ -259,7 +238,7 @@ def test_pooling_runs_takes_every_pair_of_every_run_as_the_slowest_rank_s_times(
     """benchmarks/pool_runs.py: the pairs of several bench_save runs pooled per world size and
     target, each pair the ratio of the slowest rank's times; the pooled median, a deterministic
     bootstrap interval around it, each run's own median, and the verdict against the target."""
-    monkeypatch.syspath_prepend(os.path.join(HERE, "..", "benchmarks"))
+    monkeypatch.syspath_prepend(BENCHMARKS)
     import pool_runs
 
     def rank(stalls, befores, afters, afters_stall, raws, cold):
@@ -306,8 +285,8 @@ def test_pooling_runs_takes_every_pair_of_every_run_as_the_slowest_rank_s_times(
 
 
 def test_pooling_reads_runs_that_timed_the_copy_on_one_side_of_each_save(monkeypatch):
-    """Session 15's runs (and earlier ones) timed one threaded copy per save: each save pairs with it."""
-    monkeypatch.syspath_prepend(os.path.join(HERE, "..", "benchmarks"))
+    """Runs before 2026-11-26 timed one threaded copy per save: each save pairs with it."""
+    monkeypatch.syspath_prepend(BENCHMARKS)
     import pool_runs
 
     r = {"ours": {"rep1_stall_s": 5.0, "rep2_stall_s": 1.1, "rep3_stall_s": 1.2},
@@ -320,7 +299,7 @@ def test_every_timed_restore_starts_from_freshly_freed_memory(monkeypatch):
     0.9-1.6 s to fill after a few idle seconds, 0.18 s right after another 1 GiB was freed. So before
     every timed restore (ours, the raw read, the peers: all call ``before_load``) the harness touches
     and frees the restore's bytes, and whichever contender runs next finds recycled pages."""
-    monkeypatch.syspath_prepend(os.path.join(HERE, "..", "benchmarks"))
+    monkeypatch.syspath_prepend(BENCHMARKS)
     import resource
 
     import torch
@@ -342,11 +321,11 @@ def test_every_timed_restore_starts_from_freshly_freed_memory(monkeypatch):
 
 
 def test_each_restore_round_times_one_raw_read_into_the_faster_memory_chosen_once(monkeypatch, tmp_path):
-    """Sessions 9-16 took, in every round, the faster of a raw read into 4 KiB pages and one into
+    """Runs up to 2026-11-26 took, in every round, the faster of a raw read into 4 KiB pages and one into
     huge pages: a best of two against a single ``load()``, so a stall of the raw read counted only where
     it hit both of its reads (ours: 2-6 of 10 rounds per run). The kind of memory is chosen once,
     before the rounds; each round then times one of each."""
-    monkeypatch.syspath_prepend(os.path.join(HERE, "..", "benchmarks"))
+    monkeypatch.syspath_prepend(BENCHMARKS)
     import bench_save
 
     ctx = bench_save.RankCtx(0, 1, {}, str(tmp_path), reps=4, peer_reps=1)
@@ -383,7 +362,7 @@ def test_every_rank_reads_into_the_kind_of_memory_faster_summed_over_the_ranks(m
     """With the choice made per rank, one rank of a run picked 4 KiB pages (3-5 x slower here) from
     a noisy sample and its restore target read 2.6 x: the ranks add their medians and all take the
     lower sum."""
-    monkeypatch.syspath_prepend(os.path.join(HERE, "..", "benchmarks"))
+    monkeypatch.syspath_prepend(BENCHMARKS)
     import bench_save
     import torch
 
@@ -404,7 +383,7 @@ def test_every_rank_reads_into_the_kind_of_memory_faster_summed_over_the_ranks(m
 def test_the_verified_raw_read_reads_the_same_bytes_in_steps_on_every_thread(monkeypatch, tmp_path):
     """The cap of the restore target is a raw read that hashes every request as ``load()`` does:
     it must read every byte into its place, whatever the steps and the threads' shares."""
-    monkeypatch.syspath_prepend(os.path.join(HERE, "..", "benchmarks"))
+    monkeypatch.syspath_prepend(BENCHMARKS)
     from _common import read_into
 
     data = [os.urandom(n) for n in (3 * 4096 + 17, 1, 5 * 4096)]
@@ -429,7 +408,7 @@ def test_the_slow_disk_passes_a_flush_stream_through_unchanged_and_takes_bytes_o
 
     import torch
 
-    monkeypatch.syspath_prepend(os.path.join(HERE, "..", "benchmarks"))
+    monkeypatch.syspath_prepend(BENCHMARKS)
     from _slow_storage import SLOW, SlowStorage, throttle
     from ckpt_engine import Checkpointer
 
@@ -451,7 +430,7 @@ def test_the_slow_disk_passes_a_flush_stream_through_unchanged_and_takes_bytes_o
 
 
 def _fit(contender, process_cpu, fit_wall, end_wall, train_cpu_ms, threads, figures=(), copy_hash=(), steps=20):
-    from _transformer_job import FitResult
+    from _lightning_job import FitResult
 
     marks = [(0.25 * i, 0.25 * i, 0.25 * i) for i in range(1, steps + 1)]
     return FitResult(contender=contender, rep=0, process_cpu_s=process_cpu, process_wall_s=fit_wall + 2,
@@ -470,24 +449,24 @@ def _saves(steps):
 
 
 def test_the_memory_section_holds_each_target_against_its_own_figure(monkeypatch):
-    monkeypatch.syspath_prepend(os.path.join(HERE, "..", "benchmarks"))
-    import _transformer_bench
-    from _transformer_job import TransformerJob
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import bench_lightning
+    from _lightning_job import FitJob
 
-    job = TransformerJob(steps=20, every=10, threads=1)
+    job = FitJob(steps=20, every=10, threads=1)
     fits = [_fit("none", 10.0, 5.0, 5.0, [], {}),
             _fit("ours_disk50", 10.5, 9.0, 8.0, [20.0] * 2, {"ckpt-persist": 0.02}, _saves([10, 20])),
             _fit("ours_mem", 10.2, 5.1, 5.05, [10.0] * 2, {"ckpt-flush-1": 0.1}, _saves([10, 20])),
             # own CPU per checkpoint: 20 ms on the training thread + 40 ms of threads = 60 ms, 2 x the floor
             _fit("ours_mem_every1", 11.5, 6.0, 5.5, [20.0] * 19, {"ckpt-persist": 19 * 0.04}, _saves(range(2, 21))),
             _fit("copy_hash_every1", 10.6, 5.2, 5.2, [30.0] * 20, {}, copy_hash=[(0.04, 0.03)] * 20)]
-    summary = _transformer_bench.summarize(job, [(f, 0.0) for f in fits], [f.contender for f in fits])
-    text = "\n".join(_transformer_bench.markdown(summary))
+    summary = bench_lightning.summarize(job, [(f, 0.0) for f in fits], [f.contender for f in fits])
+    text = "\n".join(bench_lightning.markdown(summary))
     assert "## Node-memory level in front of a 50 MB/s disk" in text
     assert "whole process +2.0 % → PASS" in text  # 10.2 s against 10.0 s
     assert "fit +2.0 % → PASS" in text and "training alone (up to `on_train_end`) +1.0 % → PASS" in text
     assert "ours (memory + disk) 60.0 ms vs copy + xxh3 30.0 ms per step" in text and "2.00 × → FAIL" in text
     assert "0 of 1 fits left files" in text
-    again = _transformer_bench.resummarize({"summary": summary, "fits": [{**f.as_json(), "foreign_cores": 0.0}
+    again = bench_lightning.resummarize({"summary": summary, "fits": [{**f.as_json(), "foreign_cores": 0.0}
                                                                         for f in fits]})
-    assert "\n".join(_transformer_bench.markdown(again["summary"])) == text
+    assert "\n".join(bench_lightning.markdown(again["summary"])) == text
