@@ -29,6 +29,7 @@ import warnings
 from collections import deque
 from typing import Any, Literal, Sequence
 
+from .collector import pause_collector, resume_collector
 from .comm import Comm, LocalComm
 from .commit import CommitInputs
 from .config import CheckpointConfig, LevelSpec, level_specs
@@ -190,12 +191,21 @@ class Checkpointer:
         the copy-done event: by ``save()`` itself, or with ``defer=True`` by ``wait_snapshot()``,
         so the next forward and backward overlap the copy; a forward that updates BatchNorm
         statistics in place mutates those: pass a clone); there is no host sync either way.
+
+        No automatic garbage collection of the process starts inside it (collector.py).
         """
+        pause_collector()
+        try:
+            return self._save(state, step, local, defer)
+        finally:
+            resume_collector()
+
+    def _save(self, state: Any, step: int, local: Any, defer: bool) -> SaveHandle | None:
         self._check_open()
         if self.readonly:
             raise CheckpointError(f"{self.storage.describe('')} was opened with readonly=True; open it "
                                   "without to save (as the one job that writes this path)")
-        self._raise_background_error()
+        self._raise_background_error(stacklevel=4)  # a warning names save()'s caller
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         if self._pending is not None:
@@ -431,9 +441,9 @@ class Checkpointer:
         for error in failures:
             warnings.warn(f"retention failed: {error}", CheckpointWarning, stacklevel=4)
 
-    def _raise_background_error(self, on_error: Literal["raise", "warn"] | None = None) -> None:
+    def _raise_background_error(self, on_error: Literal["raise", "warn"] | None = None, stacklevel: int = 3) -> None:
         on_error = on_error or self.on_error  # close() warns what is left after raising the earliest
-        surface(self._worker.take_reports(until_error=on_error == "raise"), on_error, stacklevel=3)
+        surface(self._worker.take_reports(until_error=on_error == "raise"), on_error, stacklevel=stacklevel)
 
     def _raise_flush_error(self) -> None:
         error = self._dest.take_error()

@@ -33,6 +33,7 @@ import warnings
 from typing import Any, Callable, Mapping
 
 from ..checkpointer import Checkpointer, SaveHandle
+from ..collector import pause_collector, resume_collector
 from ..comm import Comm
 from ..config import CheckpointConfig
 from ..errors import CheckpointError
@@ -156,11 +157,15 @@ class TrainingSession:
         the background. Every rank that takes part in the checkpoint, at the same step.
 
         The training thread's CPU time for it (capture, encoding, its part of the copy) is the
-        figure row's ``train_cpu_ms``."""
+        figure row's ``train_cpu_ms``; no automatic garbage collection starts during it."""
         ck = self._open()
         cpu = time.thread_time()
-        state, local = self._envelope(capture)
-        handle = ck.save(state, step, local, defer=defer)
+        pause_collector()  # a collection due now runs after the checkpoint (ckpt_engine/collector.py)
+        try:
+            state, local = self._envelope(capture)
+            handle = ck.save(state, step, local, defer=defer)
+        finally:
+            resume_collector()
         train_cpu = time.thread_time() - cpu
         self._handle = handle if defer else None
         self.last_saved = step
