@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 import torch
 
 from ckpt_engine import CheckpointError, LocalComm, TorchDistComm
+from ckpt_engine.collector import pause_collector, resume_collector
 from ckpt_engine.config import DEFAULT_KEEP_LAST
 from ckpt_engine.training.parts import Parts
 from ckpt_engine.training.resumable import ResumableSampler, set_rng_state
@@ -192,6 +193,13 @@ class AsyncShardedCheckpoint(*_lightning.bases("callbacks.Callback")):  # type: 
 
     def on_train_batch_end(self, trainer: "Trainer", pl_module: "LightningModule", outputs: Any,
                            batch: Any, batch_idx: int) -> None:
+        pause_collector()  # a garbage collection that comes due here runs in the loop after it (collector.py)
+        try:
+            self._after_step(trainer, batch_idx)
+        finally:
+            resume_collector()
+
+    def _after_step(self, trainer: "Trainer", batch_idx: int) -> None:
         if self._samplers:
             self._samplers[0].note_step()  # one more batch of the epoch consumed
         if trainer.global_step == self._last_global_step:
@@ -211,7 +219,11 @@ class AsyncShardedCheckpoint(*_lightning.bases("callbacks.Callback")):  # type: 
             raise _lightning.sigterm_exception(trainer)()  # end the way Lightning ends a run on SIGTERM
 
     def on_train_epoch_start(self, trainer: "Trainer", pl_module: "LightningModule") -> None:
-        self._save_due(trainer, pl_module)
+        pause_collector()  # as in on_train_batch_end
+        try:
+            self._save_due(trainer, pl_module)
+        finally:
+            resume_collector()
 
     def on_train_epoch_end(self, trainer: "Trainer", pl_module: "LightningModule") -> None:
         if self._restarted_epoch:  # the first epoch after a restore from ours: end it as the uninterrupted run did

@@ -147,3 +147,46 @@ def test_overlapping_pauses_on_two_threads_end_with_the_last():
     second_done.set()
     t.join(10)
     assert gc.isenabled()
+
+
+def test_the_lightning_callback_takes_its_checkpoints_with_the_collector_paused(tmp_path):
+    """The hooks that take a checkpoint (the step's, and the next epoch's start after an epoch's
+    last step) run paused to their end: a collection due during the checkpoint runs in the loop
+    after the hook, not in the hook's agreement on the next step or its figures."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from lightning_ckpt import AsyncShardedCheckpoint
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.layer(batch[0]).sum()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self) -> Any:
+            data = torch.utils.data.TensorDataset(torch.randn(8, 4))
+            return torch.utils.data.DataLoader(data, batch_size=2)  # 4 steps an epoch
+
+    cb = AsyncShardedCheckpoint(dirpath=str(tmp_path), every_n_train_steps=2, resume="never")
+    seen: list[tuple[str, int, bool]] = []
+    for name in ("save", "report", "finish"):  # the checkpoint, the figures the hook reports after it; the end
+        method = getattr(cb.session, name)
+
+        def spy(*args: Any, _name: str = name, _method: Any = method, **kwargs: Any) -> Any:
+            seen.append((_name, cb.session.ck.records[-1].step if cb.session.ck.records else 0, gc.isenabled()))
+            return _method(*args, **kwargs)
+
+        setattr(cb.session, name, spy)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=6, callbacks=[cb], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Model())
+    in_hooks = seen[:[name for name, _, _ in seen].index("finish")]  # on_train_end waits for commits: not paused
+    # steps 2, 4 (the first epoch's last: taken at the second's start) and 6, each found the previous one's record
+    assert [(name, step) for name, step, _ in in_hooks if name == "save"] == [("save", 0), ("save", 2), ("save", 4)]
+    assert len(in_hooks) == 3 + 6 and not any(enabled for _, _, enabled in in_hooks), in_hooks
+    assert gc.isenabled()
+    assert Checkpointer(str(tmp_path), readonly=True).steps() == [2, 4, 6]
