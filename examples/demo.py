@@ -389,45 +389,66 @@ def read_figures(ckpt_dir: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def figures_table(rows: list[dict], runs: list[str] | None = None) -> None:
-    """The per-checkpoint rows of figures.jsonl (rank 0's own slice: it is what rank 0 records)."""
+def figures_table(rows: list[dict], runs: list[str] | None = None, hooks: dict[int, float] | None = None) -> None:
+    """The per-checkpoint rows of figures.jsonl (rank 0's own slice: it is what rank 0 records);
+    ``hooks``: step -> seconds in the callback's hooks that took that checkpoint (run (a), the demo's timing)."""
     print(f"{'run ' if runs else ''}{'step':>5} {'stall ms':>9} {'snapshot ms':>12} {'persist ms':>11} "
-          f"{'commit ms':>10} {'bytes (rank 0)':>15} {'GB/s':>6}  committed")
+          f"{'commit ms':>10} {'bytes (rank 0)':>15} {'GB/s':>6}  committed" + (" in hooks ms" if hooks else ""))
     for i, r in enumerate(rows):
+        hook = ""
+        if hooks is not None:
+            hook = f"{hooks[r['step']] * 1e3:>12.2f}" if r["step"] in hooks else f"{'(at the end)':>12}"
         print(f"{runs[i] + '   ' if runs else ''}{r['step']:>5} {r['stall_ms']:>9.2f} {r['snapshot_ms']:>12.2f} "
               f"{r['persist_ms']:>11.2f} {r['commit_ms']:>10.2f} {r['bytes']:>15,} {r['gb_per_s']:>6.2f}  "
-              f"{'yes' if r['committed'] else 'SKIPPED' if r['skipped'] else 'NO'}")
+              f"{'yes' if r['committed'] else 'SKIPPED' if r['skipped'] else 'NO':<9}{hook}".rstrip())
+
+
+def checkpoint_hooks(final: dict) -> dict[int, float]:
+    """Run (a): step -> seconds in the callback's hooks at the steps whose checkpoint those hooks
+    took (``on_train_batch_end``; at an epoch's last step also the next ``on_train_epoch_start``,
+    where that checkpoint is taken once the epoch's end has run)."""
+    hook, between = final["ckpt_hook_s"], final["ckpt_epoch_start_s"]
+    return {s: hook.get(s, 0.0) + between.get(s, 0.0) for s in final["ckpt_taken"]}
 
 
 def overhead(rows: list[dict], final: dict) -> None:
-    """What checkpointing cost run (a)'s training loop, from the demo callback's timings."""
-    steps = final["step_times"]  # step -> batch start..end (includes the checkpoint hook)
+    """What checkpointing cost run (a)'s training loop: the figures.jsonl stalls and the demo
+    callback's timings of the checkpoint callback's hooks, over the same checkpoints."""
+    steps = final["step_times"]  # step -> batch start..end (includes the callback's on_train_batch_end)
     hook = final["ckpt_hook_s"]  # step -> time inside AsyncShardedCheckpoint.on_train_batch_end
-    saved = {r["step"] for r in rows}
+    between = final["ckpt_epoch_start_s"]  # step -> its on_train_epoch_start (between two steps)
+    taken = checkpoint_hooks(final)
     train = {s: t - hook.get(s, 0.0) for s, t in steps.items()}
     plain = [train[s] for s in train if s > 1]  # step 1 carries one-time warm-up
     mean_step = statistics.mean(plain)
-    stalls = [r["stall_ms"] / 1e3 for r in rows]
-    on_save = [hook[s] for s in saved if s in hook]
-    between = [hook[s] for s in hook if s not in saved]
-    every = statistics.median(b - a for a, b in zip(sorted(saved), sorted(saved)[1:])) if len(saved) > 1 else 0
     print(f"rank 0: mean training step {mean_step * 1e3:.1f} ms (forward + backward + allreduce + AdamW, "
-          f"{len(plain)} steps)")
-    print(f"mean checkpoint stall (snapshot into the staging buffer, figures.jsonl): "
-          f"{statistics.mean(stalls) * 1e3:.2f} ms")
-    if on_save:
-        print(f"mean time in the callback's on_train_batch_end at a checkpoint step (Lightning's "
-              f"checkpoint dictionary + that stall + bookkeeping): {statistics.mean(on_save) * 1e3:.2f} ms; "
-              f"at other steps: {statistics.mean(between) * 1e3:.3f} ms")
-    if every:
-        per = statistics.mean(on_save) if on_save else statistics.mean(stalls)
-        print(f"one checkpoint every {every:g} steps -> overhead = {per * 1e3:.2f} / ({every:g} x {mean_step * 1e3:.1f})"
-              f" = {100 * per / (every * mean_step):.2f} % of training time")
-    total_hook = sum(hook.values())
-    print(f"measured over the whole run: {total_hook * 1e3:.1f} ms in the callback's hook out of "
-          f"{sum(steps.values()):.2f} s of training steps = {100 * total_hook / sum(steps.values()):.2f} %")
-    print("persist and commit run on a background thread while training continues; "
-          "only the stall (and Lightning's checkpoint dictionary) blocks the training loop.")
+          f"{len(plain)} steps, the checkpoint callback's time taken out)")
+    stalls = [r["stall_ms"] / 1e3 for r in rows if r["step"] in taken]
+    if taken and stalls:
+        print(f"the {len(taken)} checkpoints taken during training (steps {', '.join(map(str, sorted(taken)))}):")
+        print(f"  mean stall (Checkpointer.save() on the training thread: encoding, layout, copy into the "
+              f"staging buffer; figures.jsonl): {statistics.mean(stalls) * 1e3:.2f} ms")
+        others = [t for s, t in hook.items() if s not in taken]
+        print(f"  mean time in the callback's hooks that took them (Lightning's checkpoint dictionary, that "
+              f"save(), agreeing on the next checkpoint step with rank 1, figures): "
+              f"{statistics.mean(taken.values()) * 1e3:.2f} ms; at the other steps (is one due?): "
+              f"{statistics.mean(others) * 1e3:.3f} ms")
+        saved = sorted(taken)
+        every = statistics.median(b - a for a, b in zip(saved, saved[1:])) if len(saved) > 1 else 0
+        if every:
+            per = statistics.mean(taken.values())
+            print(f"one checkpoint every {every:g} steps -> overhead = {per * 1e3:.2f} / ({every:g} x "
+                  f"{mean_step * 1e3:.1f}) = {100 * per / (every * mean_step):.2f} % of training time")
+    final_rows = [r for r in rows if r["step"] not in taken]
+    if final_rows:
+        print(f"the final checkpoint (step {final_rows[-1]['step']}, stall {final_rows[-1]['stall_ms']:.2f} ms) is "
+              f"taken at the end of training (on_train_end), which then waits for the last commits")
+    total_hook = sum(hook.values()) + sum(between.values())
+    total = sum(steps.values()) + sum(between.values())
+    print(f"measured over the whole run: {total_hook * 1e3:.1f} ms in the callback's hooks out of "
+          f"{total:.2f} s of training steps = {100 * total_hook / total:.2f} %")
+    print("only the time in those hooks blocks the training loop; persist and commit run on a background "
+          "thread while training continues.")
 
 
 def _flatten(obj: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
@@ -551,7 +572,7 @@ def lightning_main(argv: list[str]) -> int:
         banner(f"figures: {os.path.join('<a>', CKPT_DIR, 'figures.jsonl')} of run (a) (each rank writes its own "
                f"slice of every tensor;\n         rank 0 records its own figures)")
         rows_a = read_figures(ck_a)
-        figures_table(rows_a)
+        figures_table(rows_a, hooks=checkpoint_hooks(fa))
         print()
         overhead(rows_a, fa)
         print(f"\n{os.path.join('<b>', CKPT_DIR, 'figures.jsonl')} (runs b, then c, appended to the same file):")

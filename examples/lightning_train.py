@@ -120,7 +120,12 @@ class DemoHooks(pl.Callback):
     def __init__(self, kill_at: Optional[int] = None, weights: Optional[str] = None) -> None:
         self.kill_at, self.weights = kill_at, weights
         self.step_times: dict[int, float] = {}  # optimizer step -> batch start to batch end, seconds
-        self.ckpt_hook_s: dict[int, float] = {}  # step -> time in AsyncShardedCheckpoint.on_train_batch_end
+        # Time in AsyncShardedCheckpoint's hooks that may take a checkpoint, by step: on_train_batch_end
+        # (inside the step's time) and on_train_epoch_start (after an epoch's last step, whose checkpoint
+        # waits for the epoch's end; between two steps). The final one (on_train_end) ends the run.
+        self.ckpt_hook_s: dict[int, float] = {}
+        self.ckpt_epoch_start_s: dict[int, float] = {}
+        self.ckpt_taken: list[int] = []  # the steps whose checkpoint one of those hooks took
         self._t0 = 0.0
 
     def _ckpt(self, trainer: "pl.Trainer") -> Any:
@@ -134,15 +139,9 @@ class DemoHooks(pl.Callback):
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         ck = self._ckpt(trainer)
-        if ck is not None:  # time the checkpoint callback's hook: its whole cost to the training loop
-            hook = ck.on_train_batch_end
-
-            def timed(trainer: "pl.Trainer", *args: Any, **kwargs: Any) -> None:
-                start = time.perf_counter()
-                hook(trainer, *args, **kwargs)
-                self.ckpt_hook_s[trainer.global_step] = time.perf_counter() - start
-
-            ck.on_train_batch_end = timed
+        if ck is not None:  # time the checkpoint callback's hooks: their whole cost to the training loop
+            ck.on_train_batch_end = self._timed(ck, ck.on_train_batch_end, self.ckpt_hook_s)
+            ck.on_train_epoch_start = self._timed(ck, ck.on_train_epoch_start, self.ckpt_epoch_start_s)
         per_epoch = trainer.num_training_batches
         if ck is not None and ck.resumed_from is not None:
             epoch, where = trainer.current_epoch, f"epoch {trainer.current_epoch}"
@@ -156,6 +155,16 @@ class DemoHooks(pl.Callback):
             n = sum(p.numel() for p in pl_module.parameters())
             self._log(trainer, f"fresh start: {n:,} parameters, {per_epoch} steps/epoch x {trainer.world_size} "
                                f"ranks x batch {trainer.train_dataloader.batch_size}")
+
+    def _timed(self, ck: Any, hook: Any, into: dict[int, float]) -> Any:
+        def timed(trainer: "pl.Trainer", *args: Any, **kwargs: Any) -> None:
+            before, start = ck.session.last_saved, time.perf_counter()
+            hook(trainer, *args, **kwargs)
+            into[trainer.global_step] = into.get(trainer.global_step, 0.0) + time.perf_counter() - start
+            if ck.session.last_saved != before:
+                self.ckpt_taken.append(trainer.global_step)
+
+        return timed
 
     def on_train_batch_start(self, trainer: "pl.Trainer", *args: Any) -> None:
         self._t0 = time.perf_counter()
@@ -181,7 +190,8 @@ class DemoHooks(pl.Callback):
                         "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
                         "global_step": trainer.global_step, "resumed_from": ck.resumed_from if ck else None,
                         "batches_per_epoch": trainer.num_training_batches,
-                        "step_times": self.step_times, "ckpt_hook_s": self.ckpt_hook_s}, self.weights)
+                        "step_times": self.step_times, "ckpt_hook_s": self.ckpt_hook_s,
+                        "ckpt_epoch_start_s": self.ckpt_epoch_start_s, "ckpt_taken": self.ckpt_taken}, self.weights)
             self._log(trainer, f"done at step {trainer.global_step}; final model + optimizer state -> {self.weights}")
 
 
