@@ -72,7 +72,7 @@ class AsyncShardedCheckpoint(*_lightning.bases("callbacks.Callback")):  # type: 
             then runs beside the forward/backward instead of before it (``benchmarks/bench_gpu.py``).
         restore_route: how a resume on several ranks gets the model's state: ``"auto"`` (measured
             at the resume), ``"read"`` (every rank reads all of it), ``"exchange"`` (each rank
-            reads 1/N, the rest comes over the process group); see ``ckpt_engine.restore_exchange``.
+            reads 1/N, the rest comes over the process group); see ``ckpt_engine.load.exchange``.
         max_inflight, commit_timeout: passed to :class:`~ckpt_engine.Checkpointer`.
     """
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from ckpt_engine import Checkpointer, hugepages
+from ckpt_engine import Checkpointer
+from ckpt_engine.host import hugepages
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) is Linux's")
