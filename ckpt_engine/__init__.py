@@ -9,7 +9,7 @@ from .comm import Comm, LocalComm, TorchDistComm
 from .errors import (CheckpointError, CheckpointWarning, CommitTimeoutError, CorruptionError, DiskFullError,
                      FormatError, InsufficientMemoryError, MismatchError, NoCheckpointError, StorageError,
                      UnsupportedValueError)
-from .persist import SaveRecord
+from .save.tally import SaveRecord
 
 __all__ = [
     "Checkpointer", "SaveHandle", "SaveRecord", "Comm", "LocalComm", "TorchDistComm",

@@ -87,9 +87,7 @@ def rebuild(failure: dict[str, Any]) -> Exception:
 
 
 def _known_class(name: str) -> type[Exception] | None:
-    from .config import ConfigError  # config imports more of the engine than this module needs
-
-    known = {c.__name__: c for c in (*vars(errors).values(), ConfigError)
+    known = {c.__name__: c for c in vars(errors).values()
              if isinstance(c, type) and issubclass(c, Exception)}
     cls = known.get(name, getattr(builtins, name, None))
     return cls if isinstance(cls, type) and issubclass(cls, Exception) else None

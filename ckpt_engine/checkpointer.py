@@ -13,9 +13,9 @@ Order of calls, on every rank of the job, from the training thread::
 sliced across ranks; ``local`` differs per rank (RNG, data position, per-rank buffers) and each
 rank stores its own whole.
 
-The ``Checkpointer`` runs the pipeline (encode, plan, snapshot, persist: values.py to persist.py)
-and hands everything about *where* checkpoints go to a :class:`~ckpt_engine.destination.Destination`:
-one path (single_level.py) or several levels (``Checkpointer(levels=["/local_nvme/run",
+The ``Checkpointer`` runs the pipeline (encode, plan, snapshot, persist: state/ then save/)
+and hands everything about *where* checkpoints go to a :class:`~ckpt_engine.levels.destination.Destination`:
+one path (levels/single.py) or several levels (``Checkpointer(levels=["/local_nvme/run",
 "s3://bucket/run"])``, levels/multilevel.py: saves commit on the first level, background flushers
 copy them to the others, and ``load()`` takes the newest checkpoint that verifies from the fastest
 level that has it; there, with several ranks, ``load()`` is a collective: every rank calls it).
@@ -23,34 +23,30 @@ level that has it; there, with several ranks, ``load()`` is a collective: every 
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from collections import deque
 from typing import Any, Literal, Sequence
 
-from .collector import pause_collector, resume_collector
-from .comm import Comm, LocalComm
-from .commit import CommitInputs
-from .config import CheckpointConfig, LevelSpec, level_specs
-from .destination import Destination
+from .comm import Comm, LocalComm, cores_per_rank
+from .config import CheckpointConfig, level_specs
 from .errors import CheckpointError, CheckpointWarning
-from .failure import surface
 from .format.catalog import dir_name
-from .format.manifest import Manifest
-from .levels.flush import FlushRecord
-from .levels.multilevel import MultiLevel
-from .persist import PersistJob, PersistWorker, SaveRecord
-from .restore_agreed import Loaded, Restored
-from .restore_exchange import Exchange, RestoreFigures, Route
-from .single_level import SingleLevel
-from .snapshot import SaveHandle, Snapshots
+from .host.collector import pause_collector, resume_collector
+from .levels import open_destination
+from .load.agreed import Loaded
+from .load.exchange import Exchange, Route
+from .reading import CheckpointReading
+from .save.commit import CommitInputs
+from .save.failure import surface
+from .save.persist import PersistJob, PersistWorker
+from .save.snapshot import SaveHandle, Snapshots
+from .save.tally import FlushRecord, SaveRecord, Tally
+from .state.values import encode
 from .storage import Storage
-from .tally import Tally
-from .values import encode
 
 
-class Checkpointer:
+class Checkpointer(CheckpointReading):
     """Two-phase, rank-sliced checkpoints of a training state to any fsspec path.
 
     Args:
@@ -126,11 +122,11 @@ class Checkpointer:
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.on_busy, self.on_error = on_busy, on_error
         self.commit_timeout = commit_timeout
-        self.read_threads = read_threads or _cores_per_rank(self.world_size)
-        self.copy_threads = copy_threads or _cores_per_rank(self.world_size)
+        self.read_threads = read_threads or cores_per_rank(self.world_size)
+        self.copy_threads = copy_threads or cores_per_rank(self.world_size)
         self._exchange = Exchange(self.comm, restore_route)
         self._tally = Tally()
-        self._dest = _open_destination(specs, self.comm, readonly, commit_timeout, flush_retries, self._tally)
+        self._dest = open_destination(specs, self.comm, readonly, commit_timeout, flush_retries, self._tally)
         self.storage: Storage = self._dest.levels[0].storage
         self.keep_last: int | None = self._dest.levels[0].keep_last
         self._snapshots = Snapshots(self.rank, self.world_size, max_inflight, self.copy_threads)
@@ -302,97 +298,9 @@ class Checkpointer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---- loading ------------------------------------------------------------------------------
-    def steps(self) -> list[int]:
-        """Steps of the committed checkpoints, oldest first (multi-level: on any level)."""
-        return self._dest.steps()
-
-    def latest_step(self) -> int | None:
-        """The newest committed step, or ``None`` when there is none."""
-        steps = self.steps()
-        return steps[-1] if steps else None
-
-    def load(self, step: int | None = None, *, into: Any = None, fallback: bool = False,
-             progress: bool = False) -> Any:
-        """The replicated state of the newest committed checkpoint (or of ``step``), on CPU.
-
-        Sharded tensors (``DTensor``) come back whole, as plain tensors. ``into``: a state to fill
-        in place instead (restore_into.py), e.g. a sharded model's and optimizer's state dicts
-        (FSDP2, HSDP, tensor parallel: any mesh and world size) or a plain one: every tensor in it
-        is filled (``copy_``, on its device), each rank reading only the pieces its own chunks
-        need; other values are replaced by the checkpoint's, keys the checkpoint lacks are an
-        error naming the key. Returns ``into``.
-
-        Every byte read is verified; a mismatch raises :class:`CorruptionError` naming the file
-        and tensor. So is the ``local`` of this rank's writer and of writer 0 (what the front ends
-        resume per-rank state from), so that ``load_local()`` of either cannot fail afterwards.
-        With ``fallback=True`` a checkpoint any of whose parts fails verification is skipped (and
-        recorded in ``load_failures``) for the next newest one. Works with any world size,
-        including a single process. Raises :class:`NoCheckpointError` when there is nothing.
-        Not a collective (single level): ranks may fall back differently; :meth:`restore` agrees.
-
-        Multi-level: every level is considered, the newest step first and the fastest level
-        first on a tie; a copy that fails verification falls back to the same step on the next
-        level (older steps only with ``fallback=True``); with several ranks this is a collective.
-
-        ``progress=True`` draws a byte progress bar on stderr when it is a terminal (rank 0).
-        """
-        self.load_failures = []
-        state, self._loaded = self._dest.load(step, fallback, self.read_threads, self.load_failures, progress, into)
-        return state
-
-    def load_local(self, rank: int | None = None) -> Any:
-        """This rank's ``local`` from the checkpoint of the last ``load()`` (or the newest).
-
-        With a different world size, rank ``r`` gets writer ``r``'s local when ``r`` is below
-        the writers' world size and ``None`` otherwise; ``rank=`` reads any writer's (``0..world_size - 1``
-        of the checkpoint, else a ``ValueError``).
-        """
-        if self._loaded is None:  # before any load(): the newest this process sees, no communication
-            self._loaded = self._dest.open_newest()
-        return self._loaded.local(self.rank) if rank is None else self._loaded.writer_local(rank)
-
-    def restore(self, step: int | None = None, *, into: Any = None, fallback: bool = True) -> Restored:
-        """Every rank, together (a collective): the checkpoint to resume from, and this rank's parts.
-
-        The newest checkpoint (or the newest attempt of ``step``) whose replicated state, this
-        rank's writer's ``local`` and writer 0's ``local`` verify on every rank; with
-        ``fallback=True`` (the default) one that fails on any rank is skipped by all ranks alike
-        (recorded in ``load_failures``), so every rank resumes from the same step. Returns a
-        :class:`Restored`: ``state``, ``local`` (``None`` when this rank had no writer), ``first``
-        (writer 0's), ``step``, ``manifest``; ``load_local()`` then returns the same values.
-        Raises :class:`NoCheckpointError` when there is nothing (the front ends start fresh).
-        ``into``: fill that state in place (see :meth:`load`); ``state`` is then ``into``.
-        """
-        self.load_failures = []
-        self._exchange.figures = None
-        state, loaded = self._dest.restore(step, fallback, self.read_threads, self.load_failures, into,
-                                           self._exchange)
-        self._loaded = loaded
-        m = loaded.manifest
-        return Restored(m.step, loaded.opened.dirname, state, loaded.local(self.rank), loaded.local(0), m,
-                        loaded.level)
-
     def busy(self) -> bool:
         """Whether a snapshot is still being persisted (policies count its contention)."""
         return not self._pool.idle()
-
-    @property
-    def restore_figures(self) -> RestoreFigures | None:
-        """What this rank's last ``restore()`` did when it went through the exchange: the route
-        taken, bytes read and received, seconds, and ``auto``'s measurement (``None`` when it read
-        directly: one rank, ``into=``, route ``read``, or ``auto`` having chosen to read)."""
-        return self._exchange.figures
-
-    @property
-    def loaded_manifest(self) -> Manifest | None:
-        """The manifest of the checkpoint the last ``load()`` read."""
-        return self._loaded.manifest if self._loaded else None
-
-    @property
-    def loaded_level(self) -> int | None:
-        """Which level (0: the first, fastest) the last ``load()`` read from."""
-        return self._loaded.level if self._loaded else None
 
     @property
     def record_storage(self) -> Storage:
@@ -461,17 +369,3 @@ class Checkpointer:
         if self._closed:
             raise CheckpointError("this Checkpointer is closed")
 
-
-def _open_destination(specs: Sequence[LevelSpec], comm: Comm, readonly: bool, commit_timeout: float,
-                      flush_retries: int, tally: Tally) -> Destination:
-    """Every rank (a collective): one path is a single level; several levels are flushed in the background."""
-    if len(specs) == 1 and not specs[0].memory:
-        return SingleLevel(specs[0], comm, readonly=readonly)
-    return MultiLevel(specs, comm, commit_timeout=commit_timeout, retries=flush_retries, tally=tally)
-
-
-def _cores_per_rank(world_size: int) -> int:
-    """Cores per co-located rank, 1 to 4 (read and copy threads): more threads than cores only add
-    contention, and past 4 a copy or a read is limited by memory or storage, not by a core."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    return max(1, min(4, (os.cpu_count() or 1) // max(1, local)))

@@ -9,6 +9,7 @@ uint8 tensor), never pickles. Front ends inject their own implementation (e.g. H
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -105,7 +106,7 @@ class TorchDistComm:
         """``src``'s bytes into ``data`` (a contiguous CPU tensor, the same size on every rank), in place.
 
         Optional in :class:`Comm`: a collective restore sends the pieces each rank read to the
-        others with it (restore_exchange.py). With NCCL the bytes go through the current device.
+        others with it (load/exchange.py). With NCCL the bytes go through the current device.
         """
         if self._device.type == "cpu":
             self._dist.broadcast(data, self._global(src), group=self._group)
@@ -125,3 +126,10 @@ def _encode(value: Any) -> torch.Tensor:
 
 def _decode(payload: torch.Tensor) -> Any:
     return json.loads(bytes(payload.cpu().numpy().tobytes()).decode())
+
+
+def cores_per_rank(world_size: int) -> int:
+    """Cores per co-located rank, 1 to 4 (read and copy threads): more threads than cores only add
+    contention, and past 4 a copy or a read is limited by memory or storage, not by a core."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return max(1, min(4, (os.cpu_count() or 1) // max(1, local)))

@@ -3,7 +3,7 @@
 Flags (keyword arguments or YAML keys): ``path``, ``every_n_steps``, ``every_seconds``,
 ``overhead_budget``, ``max_interval``, ``keep_last``, ``levels``, ``storage_options``,
 ``restore_route`` (``auto``, ``read`` or ``exchange``: how a restore on several ranks gets the
-replicated state, see ``ckpt_engine.restore_exchange``). The three
+replicated state, see ``ckpt_engine.load.exchange``). The three
 triggers are mutually exclusive; ``max_interval`` ("at least every ... seconds") composes with any.
 ``storage_options`` go to fsspec; the one the library reads too, ``max_concurrency`` (on S3: the
 parts of one file uploaded, or ranges of one read fetched, at once; s3fs's default 10), is checked
@@ -42,13 +42,9 @@ from typing import Any, Mapping
 
 import yaml
 
-from .errors import CheckpointError
-from .restore_exchange import ROUTES
+from .errors import ConfigError
+from .load.exchange import ROUTES
 from .training.policy import Adaptive, EveryNSteps, EverySeconds, MaxInterval, Policy
-
-
-class ConfigError(CheckpointError, ValueError):
-    """A configuration key or value is invalid."""
 
 
 @dataclass(frozen=True)

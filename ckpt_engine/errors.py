@@ -52,3 +52,7 @@ class NoCheckpointError(CheckpointError, FileNotFoundError):
 
 class CheckpointWarning(UserWarning):
     """A checkpoint failed in the background and ``on_error="warn"`` let training go on."""
+
+
+class ConfigError(CheckpointError, ValueError):
+    """A configuration key or value is invalid."""

@@ -2,7 +2,7 @@
 
 A bar is shown only when stderr is a terminal and the user did not ask for quiet or JSON output,
 so piped, logged and machine-readable output never carries bar fragments. Updates may come from
-the reader threads of :mod:`ckpt_engine.restore`, hence the lock.
+the reader threads of :mod:`ckpt_engine.load.read`, hence the lock.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class Bar:
     """A byte counter drawn with tqdm when enabled, a no-op otherwise; use as a context manager.
 
     ``update(n)`` is thread-safe, so it can be passed as the ``progress`` callback of
-    :func:`ckpt_engine.restore.read_state` and friends.
+    :func:`ckpt_engine.load.read.read_state` and friends.
     """
 
     def __init__(self, total: int, desc: str, enabled: bool) -> None:

@@ -69,7 +69,7 @@ class HorovodCheckpointer:
             the scheduler's position stay restored; a scheduled ``lr`` continues the restored
             schedule on the script's base). See :mod:`horovod_ckpt._hparams`.
         restore_route: how a restore on several ranks gets the replicated state (``"auto"``,
-            ``"read"``, ``"exchange"``; also a YAML key): see ``ckpt_engine.restore_exchange``.
+            ``"read"``, ``"exchange"``; also a YAML key): see ``ckpt_engine.load.exchange``.
         max_inflight, commit_timeout: passed to :class:`~ckpt_engine.Checkpointer`.
         comm: the communicator (default :class:`~horovod_ckpt.comm.HorovodComm`; tests inject one).
     """

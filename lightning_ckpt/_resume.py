@@ -6,18 +6,29 @@ from __future__ import annotations
 import os
 import posixpath
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 from ckpt_engine.agree import on_rank0
+from ckpt_engine.config import CheckpointConfig
 from ckpt_engine.errors import NoCheckpointError, UnsupportedValueError
 from ckpt_engine.format.catalog import parse_dir
+from ckpt_engine.state.values import encode
 from ckpt_engine.training.parts import Parts, split_weights
-from ckpt_engine.values import encode
+from ckpt_engine.training.session import TrainingSession
 
 from . import _lightning, _trainer_api
 
-if TYPE_CHECKING:
-    from .callback import AsyncShardedCheckpoint
+
+class Resuming(Protocol):
+    """What resuming asks of the callback (``AsyncShardedCheckpoint``, callback.py)."""
+
+    config: CheckpointConfig
+    session: TrainingSession
+    resume: str
+    _sharded: bool
+
+    def restore(self, step: int | None) -> dict[str, Any]:
+        """Lightning's checkpoint dictionary of our newest checkpoint (or ``step``), restored on every rank."""
 
 
 def split(checkpoint: dict[str, Any], buffer_names: Any) -> Parts:
@@ -41,7 +52,7 @@ def assemble(state: dict[str, Any], misc: dict[str, Any], buffers: Optional[dict
     return checkpoint
 
 
-def resume_start(callback: "AsyncShardedCheckpoint", trainer: Any, path: Any, lightning: Callable[[Any], None]) -> None:
+def resume_start(callback: Resuming, trainer: Any, path: Any, lightning: Callable[[Any], None]) -> None:
     """Restore exactly one checkpoint (README, "Which checkpoint a resume restores"), in place of
     the checkpoint connector's ``resume_start`` (``lightning(path)`` does what it would have done):
 
@@ -138,7 +149,7 @@ class CheckpointIOWrapper(*_lightning.bases("plugins.io.CheckpointIO")):  # type
     (``trainer.fit(ckpt_path=<root or step directory>)``) assembles it from our files.
     ``trainer.save_checkpoint`` and everything else go to the wrapped IO unchanged."""
 
-    def __init__(self, inner: Any, callback: "AsyncShardedCheckpoint") -> None:
+    def __init__(self, inner: Any, callback: Resuming) -> None:
         self.inner, self.callback = inner, callback
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 import torch
 
 from ckpt_engine import CheckpointError, LocalComm, TorchDistComm
-from ckpt_engine.collector import pause_collector, resume_collector
 from ckpt_engine.config import DEFAULT_KEEP_LAST
+from ckpt_engine.host.collector import pause_collector, resume_collector
 from ckpt_engine.training.parts import Parts
 from ckpt_engine.training.resumable import ResumableSampler, set_rng_state
 from ckpt_engine.training.session import TrainingSession
@@ -74,7 +74,7 @@ class AsyncShardedCheckpoint(*_lightning.bases("callbacks.Callback")):  # type: 
             then runs beside the forward/backward instead of before it (``benchmarks/bench_gpu.py``).
         restore_route: how a resume on several ranks gets the model's state: ``"auto"`` (measured
             at the resume), ``"read"`` (every rank reads all of it), ``"exchange"`` (each rank
-            reads 1/N, the rest comes over the process group); see ``ckpt_engine.restore_exchange``.
+            reads 1/N, the rest comes over the process group); see ``ckpt_engine.load.exchange``.
         max_inflight, commit_timeout: passed to :class:`~ckpt_engine.Checkpointer`.
     """
 

@@ -109,7 +109,7 @@ def main() -> None:
         result["writers"] = ck.loaded_manifest.world_size
     elif mode == "restore":
         # The collective restore (ROUTE: auto / read / exchange), twice: the second uses what auto chose.
-        import ckpt_engine.restore_exchange as exchange
+        import ckpt_engine.load.exchange as exchange
         exchange.MIN_PIECE = int(os.environ.get("MIN_PIECE", exchange.MIN_PIECE))  # the test state is small
         ck.close()
         ck = Checkpointer(root, comm=TorchDistComm(), restore_route=os.environ["ROUTE"], readonly=True)

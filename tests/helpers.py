@@ -83,7 +83,8 @@ def claim_bytes(root: str, dirname: str, tensor: int, nbytes: int) -> str:
 
     import xxhash
 
-    from ckpt_engine.format.manifest import ALIGN, seal, unseal
+    from ckpt_engine.format.entries import ALIGN
+    from ckpt_engine.format.manifest import seal, unseal
 
     folder = os.path.join(root, dirname)
     mpath, ipath, dpath = (os.path.join(folder, n)

@@ -42,7 +42,7 @@ def restore(args: argparse.Namespace) -> None:
     ex = horovod_train.parse_args(["--ckpt-dir", args.ckpt_dir])
     sampler, _, model, optimizer, scheduler = horovod_train.build(ex)
     if args.restore_route == "exchange":
-        import ckpt_engine.restore_exchange as exchange
+        import ckpt_engine.load.exchange as exchange
         exchange.MIN_PIECE = 4096  # the example's tensors are small: exchange all but the tiniest
     ck = HorovodCheckpointer(args.ckpt_dir, model=model, optimizer=optimizer, sampler=sampler,
                              scheduler=scheduler, final_checkpoint=False, restore_route=args.restore_route)
@@ -133,7 +133,7 @@ def fault(args: argparse.Namespace) -> None:
     sampler, _, model, optimizer, scheduler = horovod_train.build(ex)
     ck = HorovodCheckpointer(args.ckpt_dir, model=model, optimizer=optimizer, sampler=sampler,
                              scheduler=scheduler, final_checkpoint=False)
-    from ckpt_engine import restore_agreed
+    from ckpt_engine.load import agreed as restore_agreed
 
     rank, function, what = {"latest": (0, "manifest_dirs", "the listing"),
                             "load": (1, "read_locals", "the read")}[args.fail]  # after the state, either route

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ckpt_engine.plan import TensorMeta
+from ckpt_engine.state.plan import TensorMeta
 
 
 def _bn(c: int) -> list[tuple[int, ...]]:

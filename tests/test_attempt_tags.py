@@ -13,8 +13,8 @@ import time
 import torch
 
 from ckpt_engine import Checkpointer
-from ckpt_engine.destination import new_generation
 from ckpt_engine.format.catalog import dir_name, parse_dir
+from ckpt_engine.levels.destination import new_generation
 
 FROZEN = 1_700_000_000.123  # a fixed Unix time: every tag below is made "in the same millisecond"
 

@@ -12,8 +12,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from ckpt_engine import Checkpointer
-from ckpt_engine.snapshot import SPLIT_MIN, CopyCalls, HostBuffer, Snapshots, copy_into, moves, plan_copy, split
-from ckpt_engine.values import encode
+from ckpt_engine.save.buffers import HostBuffer
+from ckpt_engine.save.copy import SPLIT_MIN, CopyCalls, copy_into, moves, plan_copy, split
+from ckpt_engine.save.snapshot import Snapshots
+from ckpt_engine.state.values import encode
 
 
 @settings(max_examples=300, deadline=None)
@@ -104,7 +106,7 @@ def test_a_busy_helper_does_not_hold_the_copy_up():
 def test_an_interrupted_copy_stops_its_helpers_before_the_buffer_is_reused(monkeypatch):
     """An exception on the calling thread (KeyboardInterrupt mid-copy) leaves no helper copying
     into the buffer after ``copy_into`` has raised: chunks not yet taken are given up."""
-    from ckpt_engine import snapshot
+    from ckpt_engine.save import copy as snapshot
 
     lay, plan = _planned()
     buf = HostBuffer(plan.nbytes, pinned=False)
@@ -160,7 +162,7 @@ def test_copy_threads_must_be_a_positive_integer(tmp_path, bad):
 def test_a_helper_that_fails_fails_the_copy(monkeypatch):
     """A chunk a helper took and could not copy is not in the buffer: the copy must raise, as it did
     when each helper's share was a future whose result the caller read."""
-    from ckpt_engine import snapshot
+    from ckpt_engine.save import copy as snapshot
 
     lay, plan = _planned()
     buf = HostBuffer(plan.nbytes, pinned=False)

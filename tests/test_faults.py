@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ckpt_engine import Checkpointer, CheckpointError, CorruptionError
-from ckpt_engine.format.catalog import manifest_dirs
 from ckpt_engine.errors import FormatError
+from ckpt_engine.format.catalog import manifest_dirs
 from ckpt_engine.storage import Storage
 from ckpt_engine.testing import FailingStorage
 
@@ -125,7 +125,7 @@ def test_manifest_pointing_outside_the_directory_is_rejected(tmp_path):
 
 def test_committer_fails_fast_when_a_rank_reports_failure(tmp_path):
     """Rank 1 (simulated by its abort marker) failed: rank 0's commit raises at once, naming it."""
-    from ckpt_engine.commit import CommitInputs, commit, write_abort
+    from ckpt_engine.save.commit import CommitInputs, commit, write_abort
     from ckpt_engine.errors import CommitTimeoutError
     storage = _storage(str(tmp_path))
     write_abort(storage, "step-000000000001-a", 1, "failed", "disk full on node 7")
@@ -141,7 +141,8 @@ def test_every_flipped_byte_of_every_file_is_detected(tmp_path):
     """Data (padding included), index files and the manifest: any changed byte fails verification."""
     import random
 
-    from ckpt_engine.restore import open_checkpoint, verify
+    from ckpt_engine.load.open import open_checkpoint
+    from ckpt_engine.load.read import verify
     with Checkpointer(str(tmp_path)) as ck:
         ck.save({"w": torch.randn(50, 7), "b": torch.randn(3), "m": torch.tensor([True]), "s": "x"}, 1,
                 {"rng": torch.arange(5)})

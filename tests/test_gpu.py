@@ -21,12 +21,16 @@ import time
 import pytest
 import torch
 
-import ckpt_engine.snapshot as snapshot_module
+import ckpt_engine.save.buffers as buffers_module
+import ckpt_engine.save.snapshot as snapshot_module
 from ckpt_engine import Checkpointer
-from ckpt_engine.cuda_copy import Gather, capture
+from ckpt_engine.format.entries import Piece
+from ckpt_engine.save.buffers import HostBuffer
+from ckpt_engine.save.copy import copy_into, plan_copy
+from ckpt_engine.save.cuda_copy import Gather, capture
+from ckpt_engine.save.layout import layout
 from ckpt_engine.sharding.boxes import index_boxes
-from ckpt_engine.plan import Slice
-from ckpt_engine.snapshot import HostBuffer, Piece, copy_into, layout, plan_copy
+from ckpt_engine.state.plan import Slice
 from helpers import assert_same
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -521,8 +525,8 @@ def test_copy_destinations_are_views_of_the_buffer_made_once_per_layout(monkeypa
     """The destination of a CUDA span's copy (cuda_copy._pair), run on CPU tensors: a whole tensor
     goes as it is into a view of its shape, a rank's slice of one as a flat range; the views are
     the buffer's own memory, kept across saves, and forgotten past ``VIEWS_KEPT``."""
-    from ckpt_engine.cuda_copy import _copy_all, _pair
-    from ckpt_engine.snapshot import Span
+    from ckpt_engine.save.cuda_copy import _copy_all, _pair
+    from ckpt_engine.save.layout import Span
 
     w, b = torch.randn(6, 5), torch.arange(7, dtype=torch.int16)
     buf = HostBuffer(4096, pinned=False)
@@ -534,7 +538,7 @@ def test_copy_destinations_are_views_of_the_buffer_made_once_per_layout(monkeypa
     assert torch.equal(buf.tensor[:120].view(torch.float32).view(6, 5), w)
     assert buf.tensor[512:518].view(torch.int16).tolist() == [2, 3, 4]
     assert _pair(buf, whole, w)[0] is pairs[0][0]  # kept: the next save makes no view
-    monkeypatch.setattr(snapshot_module, "VIEWS_KEPT", 2)
+    monkeypatch.setattr(buffers_module, "VIEWS_KEPT", 2)
     buf.view_of(1024, torch.uint8, (8,))
     assert len(buf._views) == 1  # two kept: all forgotten before the third
 

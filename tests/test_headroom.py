@@ -19,11 +19,11 @@ import pytest
 import torch
 from helpers import claim_bytes
 
-from ckpt_engine import CheckpointError, Checkpointer, InsufficientMemoryError, hugepages
-from ckpt_engine import headroom
+from ckpt_engine import Checkpointer, CheckpointError, InsufficientMemoryError
 from ckpt_engine.cli import main
 from ckpt_engine.format.catalog import manifest_dirs
-from ckpt_engine.headroom import Headroom
+from ckpt_engine.host import headroom, hugepages
+from ckpt_engine.host.headroom import Headroom
 from ckpt_engine.storage import Storage
 
 TIB = 1 << 40

@@ -314,7 +314,7 @@ def test_valid_yaml_config_drives_the_hook(two_rank_checkpoint):
 @job
 @pytest.mark.parametrize("np, route", [(1, "auto"), (3, "auto"), (3, "exchange")])
 def test_restore_a_two_rank_checkpoint_on_another_number_of_ranks(two_rank_checkpoint, tmp_path, np, route):
-    """``exchange``: each rank reads a share, Horovod's broadcast brings the rest (restore_exchange.py)."""
+    """``exchange``: each rank reads a share, Horovod's broadcast brings the rest (load/exchange.py)."""
     d = two_rank_checkpoint
     run(np, WORKER, "restore", "--ckpt-dir", str(d / "ck"), "--out", str(tmp_path), "--restore-route", route)
     written = [load_final(d / "out", r) for r in (0, 1)]

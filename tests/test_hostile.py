@@ -26,12 +26,13 @@ from helpers import flip_local
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckpt_engine import CheckpointError, Checkpointer, CorruptionError, FormatError
-from ckpt_engine.format.catalog import manifest_dirs
+from ckpt_engine import Checkpointer, CheckpointError, CorruptionError, FormatError
 from ckpt_engine.cli import main
 from ckpt_engine.cli.inspect import describe
+from ckpt_engine.format.catalog import manifest_dirs
 from ckpt_engine.format.manifest import seal, unseal
-from ckpt_engine.restore import open_checkpoint, read_local, read_state
+from ckpt_engine.load.open import open_checkpoint
+from ckpt_engine.load.read import read_local, read_state
 from ckpt_engine.storage import Storage
 from ckpt_engine.testing import SequentialComm, run_ranks
 
@@ -455,7 +456,7 @@ def test_ls_all_shows_stray_entries_named_like_steps_as_not_checkpoints(root, tm
 # ---- writers never write what readers refuse ------------------------------------------------------
 def test_nesting_at_the_limit_round_trips_and_beyond_it_is_refused_at_save(tmp_path):
     from ckpt_engine import UnsupportedValueError
-    from ckpt_engine.values import MAX_DEPTH
+    from ckpt_engine.state.values import MAX_DEPTH
 
     ck = Checkpointer(str(tmp_path / "ck"))
     ck.save({"deep": _nested(MAX_DEPTH - 1)}, 1)  # the state dict itself is one level

@@ -10,7 +10,8 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from ckpt_engine import Checkpointer, hugepages
+from ckpt_engine import Checkpointer
+from ckpt_engine.host import hugepages
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) is Linux's")
@@ -25,7 +26,7 @@ def test_large_fresh_cpu_tensors_are_advised_and_small_ones_are_not():
 
 
 def test_turned_off_by_the_environment():
-    code = ("import torch; from ckpt_engine import hugepages; "
+    code = ("import torch; from ckpt_engine.host import hugepages; "
             "print(hugepages.advise(torch.empty(hugepages.MIN_BYTES)))")
     out = subprocess.run([sys.executable, "-c", code], env={"CKPT_HUGEPAGES": "0", "PATH": ""},
                          capture_output=True, text=True, check=True).stdout

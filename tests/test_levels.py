@@ -19,16 +19,17 @@ import pytest
 import torch
 
 from ckpt_engine import Checkpointer, CheckpointError, CheckpointWarning, CorruptionError
-from ckpt_engine.format.catalog import attempt_dirs, manifest_dirs
 from ckpt_engine.config import CheckpointConfig
-from ckpt_engine.levels.transfer import copy_rank
-from ckpt_engine.levels.open import complete_everywhere
-from ckpt_engine.format.manifest import MANIFEST_NAME, data_file, index_file
-from ckpt_engine.restore import open_checkpoint, verify
-from ckpt_engine.destination import Destination
+from ckpt_engine.format.catalog import attempt_dirs, manifest_dirs
+from ckpt_engine.format.entries import MANIFEST_NAME, data_file, index_file
+from ckpt_engine.levels.destination import Destination
 from ckpt_engine.levels.multilevel import MultiLevel
-from ckpt_engine.single_level import SingleLevel
+from ckpt_engine.levels.open import complete_everywhere
 from ckpt_engine.levels.restore import Candidate, candidates
+from ckpt_engine.levels.single import SingleLevel
+from ckpt_engine.levels.transfer import copy_rank
+from ckpt_engine.load.open import open_checkpoint
+from ckpt_engine.load.read import verify
 from ckpt_engine.storage import Storage
 from ckpt_engine.testing import FailingStorage, GatedStorage
 from dist_worker import digest, make_local, make_state

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpt_engine.errors import CheckpointError, CorruptionError, FormatError
-from ckpt_engine.format.manifest import (IndexEntry, Manifest, RankIndex, RankRecord, TensorEntry, check_coverage, seal,
-                                  unseal)
+from ckpt_engine.format.entries import IndexEntry, RankRecord, TensorEntry
+from ckpt_engine.format.manifest import Manifest, RankIndex, check_coverage, seal, unseal
 
 
 def make_manifest(**over) -> Manifest:

@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt_engine.format.manifest import Manifest, RankRecord, TensorEntry
-from ckpt_engine.plan import SPLIT, TensorMeta, make_plan
+from ckpt_engine.format.entries import RankRecord, TensorEntry
+from ckpt_engine.format.manifest import Manifest
+from ckpt_engine.state.plan import SPLIT, TensorMeta, make_plan
 from model_shapes import gpt2_small, metas, resnet50
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "int64": 8, "bool": 1}

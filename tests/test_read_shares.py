@@ -1,4 +1,4 @@
-"""Restore threads read a share each and then take runs from the back of the others' (read_shares.py):
+"""Restore threads read a share each and then take runs from the back of the others' (load/shares.py):
 every piece is read once, in runs of neighbouring pieces of one file, and a thread that does not
 get to run holds nothing up."""
 
@@ -12,9 +12,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from ckpt_engine import Checkpointer
-from ckpt_engine.format.manifest import IndexEntry
-from ckpt_engine.read_shares import Shares
-from ckpt_engine.restore import shares_of
+from ckpt_engine.format.entries import IndexEntry
+from ckpt_engine.load.read import shares_of
+from ckpt_engine.load.shares import Shares
 from ckpt_engine.storage.local import LocalReader, LocalStorage
 
 PAGE = 4096

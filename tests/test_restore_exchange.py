@@ -1,5 +1,5 @@
 """A collective restore where each rank reads a share and the communicator brings the rest
-(restore_exchange.py): real gloo ranks, every route, bytes read counted by the kernel
+(load/exchange.py): real gloo ranks, every route, bytes read counted by the kernel
 (``/proc/self/io``), a corrupted share, a column-sharded (tensor-parallel) weight; the pure split
 and probe logic property-tested."""
 
@@ -15,9 +15,10 @@ from ckpt_engine import Checkpointer
 from ckpt_engine.comm import LocalComm
 from ckpt_engine.config import CheckpointConfig, ConfigError
 from ckpt_engine.format.catalog import manifest_dirs
-from ckpt_engine.format.manifest import data_file
-from ckpt_engine.restore import open_checkpoint, split_by_bytes
-from ckpt_engine.restore_exchange import Exchange, _probe_length
+from ckpt_engine.format.entries import data_file
+from ckpt_engine.load.exchange import Exchange, _probe_length
+from ckpt_engine.load.open import open_checkpoint
+from ckpt_engine.load.read import split_by_bytes
 from ckpt_engine.storage import Storage
 from dist_worker import columns_sharded, digest, make_local, make_state
 from ranks import run_ranks

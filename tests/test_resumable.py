@@ -16,9 +16,10 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
+from ckpt_engine.state.decode import decode
+from ckpt_engine.state.values import encode
 from ckpt_engine.training.position import VERSION, read_position
 from ckpt_engine.training.resumable import ResumableSampler, make_resumable
-from ckpt_engine.values import decode, encode
 from helpers import assert_same
 
 MOUNTS = {"wrapped": lambda s, bs=None: ResumableSampler(s, batch_size=bs),

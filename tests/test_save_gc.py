@@ -2,7 +2,7 @@
 
 The demo's one checkpoint in a few with a 200-260 ms stall (2-8 ms for the others) was Python's
 full collection of the whole process, started by an allocation inside ``save()`` (see
-``ckpt_engine.collector``). Deterministic: with a collection threshold of 1 a collection is due at
+``ckpt_engine.host.collector``). Deterministic: with a collection threshold of 1 a collection is due at
 every allocation of a container, so any allocation inside ``save()`` would start one; the
 assertions are on which collections started where, not on a duration.
 """
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from ckpt_engine import Checkpointer, LocalComm
-from ckpt_engine.collector import pause_collector, resume_collector
 from ckpt_engine.config import CheckpointConfig
+from ckpt_engine.host.collector import pause_collector, resume_collector
 from ckpt_engine.training.parts import Parts
 from ckpt_engine.training.session import TrainingSession
 

@@ -13,11 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpt_engine import Checkpointer, CorruptionError, StorageError
-from ckpt_engine.read_shares import Shares
-from ckpt_engine.restore import steps
-from ckpt_engine.format.manifest import IndexEntry
-from ckpt_engine.storage import Storage
-from ckpt_engine.storage import local as local_storage
+from ckpt_engine.format.entries import IndexEntry
+from ckpt_engine.load.read import steps
+from ckpt_engine.load.shares import Shares
+from ckpt_engine.storage import Storage, local as local_storage
 
 
 def _write(storage: Storage, data: bytes) -> None:

@@ -257,7 +257,7 @@ def test_each_rank_reads_only_the_pieces_its_chunks_need(saved, tmp_path):
     read from that rank's pieces alone; no rank reads the whole checkpoint."""
     import json
 
-    from ckpt_engine.format.manifest import extents
+    from ckpt_engine.format.validate import extents
 
     ck, _ = saved("fsdp")
     reader = Checkpointer(ck, readonly=True)

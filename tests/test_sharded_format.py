@@ -19,14 +19,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpt_engine.errors import FormatError
-from ckpt_engine.format.manifest import (SHARDED, IndexEntry, Manifest, RankIndex, RankRecord, TensorEntry,
-                                         check_coverage)
-from ckpt_engine.plan import TensorMeta, chunk_slice, make_plan
-from ckpt_engine.restore import Places, Target, bytes_of
-from ckpt_engine.sharding.boxes import (box_of, contiguous_start, full_box, index_boxes, intersect, numel,
-                                        range_boxes, relative, tiling_error)
+from ckpt_engine.format.entries import SHARDED, IndexEntry, RankRecord, TensorEntry
+from ckpt_engine.format.manifest import Manifest, RankIndex, check_coverage
+from ckpt_engine.load.places import Places, Target, bytes_of
+from ckpt_engine.save.layout import PIECE_BYTES, layout
+from ckpt_engine.sharding.boxes import (box_of, contiguous_start, full_box, index_boxes, intersect, numel, range_boxes,
+                                        relative, tiling_error)
 from ckpt_engine.sharding.dtensors import Sharding
-from ckpt_engine.snapshot import PIECE_BYTES, layout
+from ckpt_engine.state.plan import TensorMeta, chunk_slice, make_plan
 
 shapes = st.lists(st.integers(1, 5), min_size=0, max_size=4).map(tuple)
 
@@ -119,7 +119,7 @@ def test_the_replicas_of_a_chunk_write_it_once_between_them(replicas):
 
 
 def test_long_slices_are_stored_as_pieces_of_at_most_piece_bytes():
-    from ckpt_engine.plan import Slice
+    from ckpt_engine.state.plan import Slice
 
     per = PIECE_BYTES // 4  # float32 elements in a piece
     n = 2 * per + 10

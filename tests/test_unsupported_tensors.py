@@ -19,7 +19,7 @@ import torch
 
 from ckpt_engine.checkpointer import Checkpointer
 from ckpt_engine.errors import CheckpointError, UnsupportedValueError
-from ckpt_engine.values import encode, tensor_refusal
+from ckpt_engine.state.values import encode, tensor_refusal
 from helpers import assert_same
 
 KEY = "state['model']['w']"

@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpt_engine.errors import FormatError, UnsupportedValueError
-from ckpt_engine.values import decode, encode
+from ckpt_engine.state.decode import decode
+from ckpt_engine.state.values import encode
 
 
 def roundtrip(value):

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 from .. import progress
 from ..errors import NoCheckpointError
 from ..format import catalog
-from ..restore import Opened, open_checkpoint
+from ..load.open import Opened, open_checkpoint
 from ..storage import Storage
 
 OK, DIFFERENT, ERROR = 0, 1, 2

@@ -19,13 +19,14 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from ..load.open import Opened
+from ..load.read import tensor_reader
 from ..progress import Bar
-from ..restore import Opened, tensor_reader
+from ..state.values import encode
 from ..storage import Storage
 from .common import DIFFERENT, OK, Parents, UsageError, open_newest, open_storage, print_json, wants_bar
 from .table import render
 from .tree import TensorRef, flatten, is_tensor, refs_tree, short_repr
-from ..values import encode
 
 CHUNK = 1 << 22
 """Elements compared at a time: bounds the temporary float64 copies to a few tens of MiB."""

@@ -34,8 +34,9 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError, StorageError
+from ..load.open import Opened, check_room
+from ..load.read import read_local, read_state
 from ..progress import Bar
-from ..restore import Opened, check_room, read_local, read_state
 from ..storage import Storage
 from .common import OK, Parents, open_newest, open_storage, print_json, storage_options, wants_bar
 from .table import human

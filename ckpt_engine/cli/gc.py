@@ -24,11 +24,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..format import catalog
-from ..commit import remove_checkpoint
 from ..errors import CheckpointError
-from ..format.manifest import MANIFEST_NAME
+from ..format import catalog
+from ..format.entries import MANIFEST_NAME
 from ..levels.memory import dead_node_dirs, sweep_dead_jobs
+from ..save.commit import remove_checkpoint
 from ..storage import Storage
 from .common import OK, Parents, UsageError, open_storage, print_json, root
 from .table import duration, human, render

@@ -14,12 +14,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..format.manifest import TensorEntry
-from ..restore import Opened
+from ..format.entries import TensorEntry
+from ..load.open import Opened
+from ..state.values import encode
 from .common import OK, Parents, UsageError, open_newest, open_storage, print_json
 from .table import human, iso, render
 from .tree import TensorRef, flatten, is_tensor, refs_tree, short_repr, type_name
-from ..values import encode
 
 
 @dataclass(frozen=True)

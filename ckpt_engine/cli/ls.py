@@ -15,8 +15,8 @@ import os
 from typing import Any
 
 from ..format import catalog
+from ..format.entries import MANIFEST_NAME
 from ..levels.open import local_catalog
-from ..format.manifest import MANIFEST_NAME
 from ..storage import Storage
 from .common import OK, Parents, open_storage, print_json
 from .gc import usage

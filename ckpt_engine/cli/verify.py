@@ -14,7 +14,8 @@ from typing import Any
 from .. import progress
 from ..errors import CorruptionError, FormatError, InsufficientMemoryError, NoCheckpointError
 from ..format import catalog
-from ..restore import open_checkpoint, verify
+from ..load.open import open_checkpoint
+from ..load.read import verify
 from ..storage import Storage
 from .common import DIFFERENT, OK, Parents, open_newest, open_storage, print_json, root, wants_bar
 from .table import human

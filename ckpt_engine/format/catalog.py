@@ -13,8 +13,9 @@ import re
 from dataclasses import dataclass
 
 from ..errors import CheckpointError
-from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from ..storage import Storage
+from .entries import MANIFEST_NAME, MAX_MANIFEST_BYTES
+from .manifest import Manifest
 
 _DIR = re.compile(r"step-(\d{12,})-([0-9a-z]{1,64})")
 LATEST = "latest"

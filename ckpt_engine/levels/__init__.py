@@ -1,4 +1,25 @@
-"""Multi-level persistence: levels opened and checked together (:mod:`.open`), the destination of a
-``Checkpointer`` with several levels (:mod:`.multilevel`), background flushers to the lower levels
+"""Where checkpoints go and come from: a ``Checkpointer``'s destination (:mod:`.destination`), one path
+(:mod:`.single`) or several levels: levels opened and checked together (:mod:`.open`), the destination of a
+``Checkpointer`` with several levels (:mod:`.multilevel`), a node-memory level (:mod:`.memory`,
+replicated to peers by :mod:`.replicate`), background flushers to the lower levels
 (:mod:`.flush`, copying with :mod:`.transfer`), and restoring from the fastest level that verifies
 (:mod:`.restore`)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..comm import Comm
+from ..config import LevelSpec
+from ..save.tally import Tally
+from .destination import Destination
+from .multilevel import MultiLevel
+from .single import SingleLevel
+
+
+def open_destination(specs: Sequence[LevelSpec], comm: Comm, readonly: bool, commit_timeout: float,
+                     flush_retries: int, tally: Tally) -> Destination:
+    """Every rank (a collective): one path is a single level; several levels are flushed in the background."""
+    if len(specs) == 1 and not specs[0].memory:
+        return SingleLevel(specs[0], comm, readonly=readonly)
+    return MultiLevel(specs, comm, commit_timeout=commit_timeout, retries=flush_retries, tally=tally)

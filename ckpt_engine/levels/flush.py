@@ -24,14 +24,15 @@ import os
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
-from ..format.catalog import parse_dir
-from ..commit import Abandoned, CommitInputs, commit, retain, write_abort
 from ..errors import CheckpointError
-from ..format.manifest import Manifest, RankRecord, index_file
+from ..format.catalog import parse_dir
+from ..format.entries import RankRecord, index_file
+from ..format.manifest import Manifest
+from ..save.commit import Abandoned, CommitInputs, commit, retain, write_abort
+from ..save.tally import FlushRecord, Tally
 from ..storage import Storage
-from ..tally import Tally
 from .transfer import copy_rank
 
 log = logging.getLogger("ckpt_engine.levels.flush")
@@ -69,37 +70,6 @@ class FlushItem:
     def key(self) -> str:
         """Orders attempts: incarnation, then save counter (fixed width, so text order is save order)."""
         return parse_dir(self.dirname)[1]  # type: ignore[index]
-
-
-@dataclass
-class FlushRecord:
-    """Figures of one checkpoint flushed (or skipped) to one lower level, on this rank (reported to
-    the ``Checkpointer``'s ``flush_records`` once done)."""
-
-    step: int
-    dirname: str
-    level: int
-    """Index of the level, 0 being the fast one."""
-    bytes: int = 0
-    copy_s: float = 0.0
-    commit_s: float = 0.0
-    durable_s: float = 0.0
-    """From ``save()`` to durable on this level (rank 0: committed there)."""
-    lag_s: float = 0.0
-    """From durable on level 1 to durable on this level."""
-    lag_steps: int = 0
-    """Newest step durable on level 1 at that moment, minus this step."""
-    attempts: int = 0
-    committed: bool = False
-    skipped: bool = False
-    error: str = ""
-
-    def row(self) -> dict[str, Any]:
-        """Flat figures for a logger, like ``figures.figure_row`` (level numbered from 1)."""
-        return {"step": self.step, "level": self.level + 1, "durable_ms": self.durable_s * 1e3,
-                "lag_ms": self.lag_s * 1e3, "lag_steps": self.lag_steps, "copy_ms": self.copy_s * 1e3,
-                "commit_ms": self.commit_s * 1e3, "bytes": self.bytes, "attempts": self.attempts,
-                "committed": self.committed, "skipped": self.skipped}
 
 
 def publish(target: Storage, dirname: str, flush: bool) -> None:

@@ -1,6 +1,6 @@
 """Several levels: the destination of a ``Checkpointer`` with a fast first level and slower ones.
 
-Implements :class:`~ckpt_engine.destination.Destination` (the order of calls is there). Opening
+Implements :class:`~ckpt_engine.levels.destination.Destination` (the order of calls is there). Opening
 is a collective (:func:`levels.open.open_levels`). A save counts as committed on level 1 as soon
 as that level has it (the manifest on a shared level 1, written by rank 0's persist worker; on a
 node-local one, this rank's ``rank-commit.json``, written by :meth:`MultiLevel.persisted`):
@@ -16,20 +16,21 @@ from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 from ..comm import Comm
-from ..commit import CommitInputs, retain, wait_for_commit, write_abort
 from ..config import LevelSpec
-from ..destination import Retention, new_generation
 from ..errors import CheckpointError, CommitTimeoutError, NoCheckpointError
 from ..format.catalog import committed, manifest_dirs, parse_dir
-from ..format.manifest import MANIFEST_NAME, Manifest, RankRecord
-from ..persist import PersistJob
-from ..restore import open_checkpoint
-from ..restore_agreed import Loaded
-from ..restore_exchange import Exchange
+from ..format.entries import MANIFEST_NAME, RankRecord
+from ..format.manifest import Manifest
+from ..load.agreed import Loaded
+from ..load.exchange import Exchange
+from ..load.open import open_checkpoint
+from ..save.commit import CommitInputs, retain, wait_for_commit, write_abort
+from ..save.filebuffers import BUFFERS, FileBuffers
+from ..save.persist import PersistJob
+from ..save.tally import Tally
 from ..storage import Storage
-from ..tally import Tally
+from .destination import Retention, new_generation
 from .flush import Flusher, FlushItem
-from .buffers import BUFFERS, FileBuffers
 from .memory import NodeParts, check_room, remove_node_dir
 from .open import (RANK_COMMIT, Level, RankCommit, assemblable, held_catalog, local_catalog, open_levels, rank_dir,
                    write_rank_commit)
@@ -64,7 +65,7 @@ class MultiLevel:
         self.full_is_warning = self.nodes is not None
         """A full memory level is a warning: the job goes on, the slower levels keep what they have."""
         self.buffers: FileBuffers | None = None
-        """A memory level: the rank's snapshot buffers are files of it (levels/buffers.py)."""
+        """A memory level: the rank's snapshot buffers are files of it (save/filebuffers.py)."""
         if self.node is not None and self.fast.storage.protocol == "file":
             self.buffers = FileBuffers(self.fast.storage.path(BUFFERS))
         self.replicator: Replicator | None = None

@@ -26,16 +26,17 @@ from typing import Any, Callable, Mapping, Sequence
 import xxhash
 
 from ..agree import on_rank0
-from ..format.catalog import manifest_dirs, parse_dir
 from ..comm import Comm
-from ..commit import sweep
 from ..config import LevelSpec
 from ..errors import CheckpointError, FormatError
+from ..format.catalog import manifest_dirs, parse_dir
+from ..format.entries import MANIFEST_NAME, RankRecord, data_file, index_file
+from ..format.manifest import Manifest, RankIndex, seal, unseal
+from ..format.strict_json import parse_json
+from ..save.commit import sweep
+from ..storage import Storage
 from .flush import FLUSHING
 from .memory import NodeTable, claim, job_tag, node_dir, node_key, sweep_dead_jobs
-from ..format.manifest import MANIFEST_NAME, Manifest, RankIndex, RankRecord, data_file, index_file, seal, unseal
-from ..storage import Storage
-from ..format.strict_json import parse_json
 
 RANK_COMMIT = "rank-commit.json"
 """On a node-local level 1: a rank's own commit of its files, written last."""

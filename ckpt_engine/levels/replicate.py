@@ -31,12 +31,13 @@ from typing import Any, Iterator
 import torch
 
 from ..comm import Comm
-from ..commit import retain
 from ..errors import CheckpointError, CheckpointWarning, CorruptionError
-from ..format.manifest import RankIndex, data_file, index_file
+from ..format.entries import data_file, index_file
+from ..format.manifest import RankIndex
+from ..save.commit import retain
+from ..save.filebuffers import BUFFERS
+from ..save.tally import Tally
 from ..storage import Storage
-from ..tally import Tally
-from .buffers import BUFFERS
 from .memory import NodeTable
 from .open import RANK_COMMIT, RankCommit, rank_dir
 from .transfer import StreamCheck

@@ -21,27 +21,49 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
 import numpy as np
 import torch
 import xxhash
 
-from .. import headroom
 from ..comm import Comm
 from ..errors import CheckpointError, CorruptionError, FormatError, MismatchError, NoCheckpointError
-from .transfer import StreamCheck
 from ..format.catalog import manifest_dirs
+from ..format.entries import IndexEntry, RankRecord, data_file, index_file
+from ..format.manifest import RankIndex, check_coverage
+from ..host import headroom
+from ..load.agreed import Loaded, read_for_rank
+from ..load.into import fill
+from ..load.open import Opened, open_checkpoint
+from ..load.places import Places, Target, whole_targets
+from ..state.decode import decode
+from ..state.values import parse_dtype
 from .open import RANK_COMMIT, Level, RankCommit, assemblable
-from ..format.manifest import IndexEntry, RankIndex, RankRecord, check_coverage, data_file, index_file
-from ..restore import Opened, Places, Target, open_checkpoint, whole_targets
-from ..restore_into import fill
-from ..restore_agreed import Loaded, read_for_rank
-from ..values import decode, parse_dtype
+from .transfer import StreamCheck
 
 if TYPE_CHECKING:
     from ..storage import Storage
-    from .multilevel import MultiLevel
+
+
+class Levels(Protocol):
+    """What a restore reads from: the levels of one ``MultiLevel`` (levels/multilevel.py), fastest first."""
+
+    levels: tuple[Level, ...]
+    fast: Level
+    node_local: bool
+
+    def steps(self) -> list[int]:
+        """Committed steps this process can see on any level, oldest first."""
+
+    def held(self) -> dict[str, list[tuple[int, str, int]]]:
+        """The committed node-local level-1 parts this rank can read now, by writer."""
+
+    def node_parts(self) -> Storage:
+        """This node's memory as one checkpoint root."""
+
+    def part_storage(self, writer: int) -> Storage:
+        """Where this rank reads ``writer``'s part on the node-local level 1."""
 
 EXCHANGE = 64 << 20
 """Bytes each rank contributes per round when rebuilding the state from node-local copies."""
@@ -85,10 +107,10 @@ def _whole(held: Sequence[Mapping[str, Any]], dirname: str, world_size: int) -> 
     return all(any(str(d) == dirname for _, d, _ in view.get(str(w), ())) for view in held for w in range(world_size))
 
 
-def load_levels(ml: MultiLevel, comm: Comm, step: int | None, fallback: bool, threads: int,
+def load_levels(ml: Levels, comm: Comm, step: int | None, fallback: bool, threads: int,
                 failures: list[str], into: Any = None) -> tuple[Any, Loaded]:
     """Every rank: ``(state, loaded)`` of the newest checkpoint (or ``step``) that verifies on all
-    ranks (``into`` filled in place from it, when given: restore_into.py); see the module docstring.
+    ranks (``into`` filled in place from it, when given: load/into.py); see the module docstring.
 
     Appends what failed to ``failures``. Raises :class:`NoCheckpointError` when no level has one.
     """
@@ -126,7 +148,7 @@ def load_levels(ml: MultiLevel, comm: Comm, step: int | None, fallback: bool, th
     raise CorruptionError("no checkpoint verifies on every rank: " + "; ".join(failures))
 
 
-def _agree(ml: MultiLevel, comm: Comm, step: int | None) -> list[Candidate]:
+def _agree(ml: Levels, comm: Comm, step: int | None) -> list[Candidate]:
     """One all-gather: rank 0's view of the shared levels and every rank's node-local commits."""
     mine: dict[str, Any] = {"held": ml.held() if ml.node_local else {}}
     if comm.rank == 0:
@@ -152,7 +174,7 @@ def _read_shared(level: Level, c: Candidate, threads: int, rank: int, into: Any)
 
 
 # ---- a node that holds every part -------------------------------------------------------------------
-def _read_node_whole(ml: MultiLevel, c: Candidate, threads: int, rank: int, into: Any) -> _Shared:
+def _read_node_whole(ml: Levels, c: Candidate, threads: int, rank: int, into: Any) -> _Shared:
     """Every part of ``c`` is in this rank's node memory: open it from the writers' commits and read
     it as a shared level is read (this rank's share of the state, its own and writer 0's ``local``),
     every byte verified, with no exchange."""
@@ -162,7 +184,7 @@ def _read_node_whole(ml: MultiLevel, c: Candidate, threads: int, rank: int, into
     return _Shared((state, Loaded(opened, view, ml.fast.index, verified)), {"ok": True})
 
 
-def _open_parts(ml: MultiLevel, view: Storage, dirname: str, writers: int) -> Opened:
+def _open_parts(ml: Levels, view: Storage, dirname: str, writers: int) -> Opened:
     """The manifest of ``dirname`` rebuilt from its writers' ``rank-commit.json`` and their index
     files, each index checked against its writer's commit (what ``open_checkpoint`` does with a manifest)."""
     where = view.describe(dirname)
@@ -200,7 +222,7 @@ class _LocalCopy:
 
     def finish(self, comm: Comm, reports: Sequence[dict], into: Any = None) -> tuple[Any, Loaded]:
         """Build the manifest from every writer's part as its reader reported it, then exchange the
-        bytes and decode (or fill ``into``: restore_into.py)."""
+        bytes and decode (or fill ``into``: load/into.py)."""
         dirname, readers = self.candidate.dirname, self.candidate.readers
         where = self.level.storage.describe(dirname)
         told = [reports[reader]["parts"][str(w)] for w, reader in enumerate(readers)]
@@ -261,7 +283,7 @@ def _cut(parts: Sequence[np.ndarray], lo: int, hi: int) -> np.ndarray:
     return pieces[0] if len(pieces) == 1 else np.concatenate(pieces) if pieces else np.empty(0, dtype=np.uint8)
 
 
-def _read_local_copy(ml: MultiLevel, c: Candidate, rank: int) -> _LocalCopy:
+def _read_local_copy(ml: Levels, c: Candidate, rank: int) -> _LocalCopy:
     """Read and verify the parts this rank reads for ``c``: each one's marker, index and whole data file."""
     parts, told = {}, {}
     for writer, reader in enumerate(c.readers):

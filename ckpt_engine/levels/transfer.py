@@ -14,7 +14,9 @@ from typing import Iterator
 import xxhash
 
 from ..errors import CorruptionError
-from ..format.manifest import RankIndex, data_file, extents, index_file
+from ..format.entries import data_file, index_file
+from ..format.manifest import RankIndex
+from ..format.validate import extents
 from ..storage import Storage
 
 CHUNK = 8 << 20

@@ -5,7 +5,7 @@ tensor laid out on a ``DeviceMesh`` by one placement per mesh dimension: ``Shard
 dimension ``d`` among the ranks along that mesh dimension (FSDP2's ``_StridedShard`` too),
 ``Replicate()`` gives every rank along it the same chunk. This rank holds one chunk, a box of the
 global tensor (``to_local()``); the ranks that differ only along replicated mesh dimensions hold
-the same chunk, and split writing it between them (:func:`~ckpt_engine.plan.chunk_slice`).
+the same chunk, and split writing it between them (:func:`~ckpt_engine.state.plan.chunk_slice`).
 
 A ``DTensor`` on a sub-mesh of a larger mesh (FSDP2 on the ``dp`` dimension of a ``dp x tp`` mesh:
 a LayerNorm weight tensor parallel leaves whole) is replicated along the dimensions of the larger

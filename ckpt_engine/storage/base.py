@@ -2,7 +2,8 @@
 
 ``Storage(url)`` opens the URL with fsspec and returns the implementation for it, the way
 ``pathlib.Path(...)`` returns a ``PosixPath``: :class:`~.local.LocalStorage` for this machine's
-files, :class:`~.fsspec_storage.FsspecStorage` for everything else. Why ``__new__`` and not a
+files, :class:`~.fsspec_storage.FsspecStorage` for everything else (each registers itself with
+:func:`register`; this module imports neither). Why ``__new__`` and not a
 factory function: ``Storage(url, storage_options)`` is how the README, the front ends and users'
 code open a root, and ``isinstance(x, Storage)`` is how a level given as an object is told from
 a URL, so both keep working unchanged.
@@ -33,7 +34,7 @@ from typing import Any, Callable, ClassVar, Iterable, Iterator, Sequence, TypeVa
 import fsspec
 
 from ..errors import CheckpointError, StorageError
-from ..format import guard
+from . import guard
 from .poll import Polling
 
 T = TypeVar("T")
@@ -346,15 +347,28 @@ def _open_url(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, st
 
 _MIXED: dict[tuple[type, type], type] = {}
 
+_IMPLEMENTATIONS: list[tuple[bool, Callable[[Any], bool], type[Storage]]] = []
+"""The registry :func:`register` fills: ``(fallback, takes this filesystem?, implementation)``."""
+
+
+def register(takes: Callable[[Any], bool], *, fallback: bool = False) -> Callable[[type[Storage]], type[Storage]]:
+    """Class decorator: the decorated implementation serves the fsspec filesystems ``takes`` accepts;
+    a ``fallback`` one is asked only after every other (whatever the order of registration). The
+    package ``storage`` imports both of its implementations, so they are registered before any
+    ``Storage(url)``."""
+    def add(impl: type[Storage]) -> type[Storage]:
+        _IMPLEMENTATIONS.append((fallback, takes, impl))
+        return impl
+    return add
+
 
 def _implementing(cls: type[Storage], fs: Any) -> type[Storage]:
-    """``cls`` on the implementation for ``fs``: the implementation itself for ``Storage``."""
-    from fsspec.implementations.local import LocalFileSystem
-
-    from .fsspec_storage import FsspecStorage
-    from .local import LocalStorage
-
-    impl: type[Storage] = LocalStorage if isinstance(fs, LocalFileSystem) else FsspecStorage
+    """``cls`` on the implementation registered for ``fs``: the implementation itself for ``Storage``."""
+    ordered = sorted(_IMPLEMENTATIONS, key=lambda entry: entry[0])  # stable: fallbacks last
+    impl = next((impl for _, takes, impl in ordered if takes(fs)), None)
+    if impl is None:
+        raise StorageError(f"no storage implementation takes {type(fs).__name__} (registered: "
+                           f"{[i.__name__ for _, _, i in _IMPLEMENTATIONS]})")
     return impl if cls is Storage else _mixed(cls, impl)
 
 

@@ -29,9 +29,8 @@ from datetime import datetime
 from typing import Any, Callable, Sequence, TypeVar
 
 from ..errors import CheckpointWarning, StorageError
-from ..format import guard
-from . import poll, s3_parts
-from .base import Chunks, Reader, Storage, _StorageErrors
+from . import guard, poll, s3_parts
+from .base import Chunks, Reader, Storage, _StorageErrors, register
 from .retry import is_not_implemented, retrying
 
 T = TypeVar("T")
@@ -48,6 +47,7 @@ _NO_UPLOAD_LISTING: "weakref.WeakSet[Any]" = weakref.WeakSet()
 """Filesystems (equal when URL options are) whose server answered 501 to ListMultipartUploads."""
 
 
+@register(lambda fs: True, fallback=True)  # every filesystem the others do not take
 class FsspecStorage(Storage):
     """A checkpoint root on any fsspec filesystem (see the module docstring)."""
 

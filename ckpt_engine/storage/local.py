@@ -5,7 +5,7 @@ calls: one ``write`` per buffer (``O_DIRECT`` for large page-aligned ones), ``pr
 destination on restore. Durability and atomicity are POSIX's: ``write_stream`` fsyncs the file
 and its directory; ``write_atomic`` writes a temporary file, fsyncs it, ``rename``\\ s it into
 place and fsyncs the directory. Readers open regular files only, never a symbolic link below the
-root (see :mod:`..format.guard`).
+root (see :mod:`.guard`).
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
 from ..errors import StorageError
-from ..format import guard
-from . import poll
-from .base import TMP_PREFIX, Chunks, Reader, Storage
+from . import guard, poll
+from .base import TMP_PREFIX, Chunks, Reader, Storage, register
 
 T = TypeVar("T")
 
 
+@register(lambda fs: isinstance(fs, LocalFileSystem))
 class LocalStorage(Storage):
     """A checkpoint root on this machine's filesystem (see the module docstring)."""
 
@@ -183,7 +183,7 @@ class LocalReader(Reader):
 
     run_max = 8 << 20
     """A scatter read needs no temporary here, so a run's size only sets how finely the restore's
-    threads share the work at the end (read_shares.py: a thread done with its share takes the
+    threads share the work at the end (load/shares.py: a thread done with its share takes the
     others' runs from their back). 30 alternated warm loads of 1 GiB on 2 threads: median 160.0 ms
     with 8 MiB runs, 160.6 with 16 MiB, 166.6 with fixed shares in 64 MiB runs (first quartiles
     147.1 / 151.3 / 153.5 ms); requests stay :attr:`verify_step` long whatever the run."""

@@ -15,7 +15,7 @@ import math
 import time
 from typing import Any, Mapping
 
-from ..persist import SaveRecord
+from ..save.tally import SaveRecord
 from ..storage import Storage
 
 

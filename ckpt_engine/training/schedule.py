@@ -18,7 +18,7 @@ import time
 from typing import Callable
 
 from ..checkpointer import Checkpointer
-from ..persist import SaveRecord
+from ..save.tally import SaveRecord
 from .policy import Policy
 
 

@@ -33,10 +33,10 @@ import warnings
 from typing import Any, Callable, Mapping
 
 from ..checkpointer import Checkpointer, SaveHandle
-from ..collector import pause_collector, resume_collector
 from ..comm import Comm
 from ..config import CheckpointConfig
 from ..errors import CheckpointError
+from ..host.collector import pause_collector, resume_collector
 from .figures import FigureReporter
 from .parts import Parts, Resumed
 from .policy import Policy
@@ -160,7 +160,7 @@ class TrainingSession:
         figure row's ``train_cpu_ms``; no automatic garbage collection starts during it."""
         ck = self._open()
         cpu = time.thread_time()
-        pause_collector()  # a collection due now runs after the checkpoint (ckpt_engine/collector.py)
+        pause_collector()  # a collection due now runs after the checkpoint (ckpt_engine/host/collector.py)
         try:
             state, local = self._envelope(capture)
             handle = ck.save(state, step, local, defer=defer)

@@ -4,7 +4,7 @@ A checkpoint may come from an untrusted place, so every node is checked against 
 (``docs/FORMAT.md``, *Value trees*) and every failure is a :class:`FormatError` naming the file:
 unknown nodes, tensor references outside the table, keys that are unhashable or repeated,
 numbers outside their type's range, devices torch does not know, trees deeper than
-:data:`~ckpt_engine.values.MAX_DEPTH`. Nothing here runs code from the checkpoint.
+:data:`~ckpt_engine.state.values.MAX_DEPTH`. Nothing here runs code from the checkpoint.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .errors import FormatError
+from ..errors import FormatError
 from .values import _NUMPY_AS_TENSOR, _NUMPY_INLINE, JSON, MAX_DEPTH, MAX_NDIM, parse_dtype
 
 

@@ -10,28 +10,28 @@ from __future__ import annotations
 
 from typing import Any
 
-from .agree import on_rank0
-from .comm import Comm, LocalComm
-from .commit import CommitInputs, retain, sweep, wait_for_commit, write_abort
-from .config import LevelSpec
+from ..agree import on_rank0
+from ..comm import Comm, LocalComm
+from ..config import LevelSpec
+from ..errors import CheckpointError, NoCheckpointError
+from ..format.catalog import committed, manifest_dirs
+from ..load.agreed import Loaded, restore
+from ..load.exchange import Exchange
+from ..load.open import open_checkpoint
+from ..save.commit import CommitInputs, retain, sweep, wait_for_commit, write_abort
+from ..save.persist import PersistJob
+from ..storage import Storage
 from .destination import Retention, new_generation
-from .errors import CheckpointError, NoCheckpointError
-from .format.catalog import committed, manifest_dirs
-from .levels.open import Level, open_storage
-from .persist import PersistJob
-from .restore import open_checkpoint
-from .restore_agreed import Loaded, restore
-from .restore_exchange import Exchange
-from .storage import Storage
+from .open import Level, open_storage
 
 
 class SingleLevel:
-    """A :class:`~ckpt_engine.destination.Destination` of one path (one level)."""
+    """A :class:`~ckpt_engine.levels.destination.Destination` of one path (one level)."""
 
     make_room = True
     full_is_warning = False
     buffers = None
-    """Snapshot buffers are ordinary host memory (a memory level makes them files: levels/buffers.py)."""
+    """Snapshot buffers are ordinary host memory (a memory level makes them files: save/filebuffers.py)."""
 
     def __init__(self, spec: LevelSpec, comm: Comm, *, readonly: bool = False) -> None:
         """Open the root (a collective: rank 0 creates and sweeps it unless ``readonly``; its failure

@@ -21,16 +21,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .agree import on_rank0
-from .comm import Comm
-from .errors import CheckpointError, CorruptionError, MismatchError, NoCheckpointError
-from .format.catalog import committed, manifest_dirs
-from .format.manifest import Manifest
-from .progress import Bar
-from .progress import wanted as progress_wanted
-from .restore import Opened, Progress, check_room, open_checkpoint, read_local, read_state
-from .restore_exchange import Exchange, Pending, node_name
-from .storage import Storage
+from ..agree import on_rank0
+from ..comm import Comm
+from ..errors import CheckpointError, CorruptionError, MismatchError, NoCheckpointError
+from ..format.catalog import committed, manifest_dirs
+from ..format.manifest import Manifest
+from ..progress import Bar, wanted as progress_wanted
+from ..storage import Storage
+from .exchange import Exchange, Pending, node_name
+from .open import Opened, Progress, check_room, open_checkpoint
+from .read import read_local, read_state
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def local_ranks(rank: int, writers: int) -> list[int]:
 
 def read_for_rank(storage: Storage, ck: Opened, rank: int, threads: int,
                   progress: Progress | None = None, into: Any = None) -> tuple[Any, dict[int, Any]]:
-    """The replicated state of ``ck`` (or ``into`` filled from it: restore_into.py) and the ``local``
+    """The replicated state of ``ck`` (or ``into`` filled from it: load/into.py) and the ``local``
     of every writer in :func:`local_ranks`, each verified; raises :class:`CorruptionError` or
     :class:`FormatError` naming the file otherwise, and :class:`InsufficientMemoryError` before
     allocating when the whole tensors it reads (the state unless ``into``, and those locals) add
@@ -120,8 +120,8 @@ def restore(storage: Storage, comm: Comm, step: int | None, fallback: bool, thre
     verify on every rank, as ``(state, loaded)``; see the module docstring.
 
     ``rank``: whose parts to read (default ``comm.rank``; ``load()`` passes its rank with a
-    :class:`LocalComm`). ``into``: a state to fill in place instead of a new one (restore_into.py).
-    ``exchange``: the route of the replicated state's large pieces (restore_exchange.py; its
+    :class:`LocalComm`). ``into``: a state to fill in place instead of a new one (load/into.py).
+    ``exchange``: the route of the replicated state's large pieces (load/exchange.py; its
     communicator is ``comm``): each rank reads its share alone, the verdicts are agreed, then the
     exchange runs, then a second agreement covers what it read. ``progress``: a byte progress bar
     on stderr (rank 0, when a terminal).

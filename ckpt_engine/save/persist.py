@@ -21,55 +21,20 @@ from typing import Any, Callable
 
 import xxhash
 
+from ..errors import CheckpointError, CheckpointWarning
+from ..format.entries import IndexEntry, Piece, TensorEntry, data_file, index_file
+from ..format.manifest import RankIndex
+from ..storage import Storage
 from . import failure
+from .buffers import BufferPool, HostBuffer
 from .commit import Abandoned, CommitInputs, commit, write_abort
-from .errors import CheckpointError, CheckpointWarning
-from .format.manifest import IndexEntry, RankIndex, TensorEntry, data_file, index_file
-from .levels.buffers import link_data
-from .snapshot import BufferPool, HostBuffer, Piece
-from .storage import Storage
-from .tally import Tally
+from .filebuffers import link_data
+from .tally import SaveRecord, Tally
 
 
 _HASHER = ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash")
 _OVERLAP_MIN = 8 << 20
 """Below this the hand-off to the hashing thread costs more than the overlap gains."""
-
-
-@dataclass
-class SaveRecord:
-    """Figures of one checkpoint on this rank (seconds and bytes).
-
-    Wall seconds: ``stall_s`` (``save()`` on the training thread), ``encode_s`` (encoding and
-    layout, part of the stall), ``snapshot_s`` (the copy), ``persist_s`` (checksums and data
-    file), ``commit_s`` (rank 0). CPU seconds of the threads
-    that did the work (``time.thread_time()`` where it runs): ``encode_cpu_s`` (encoding and
-    layout, training thread), ``snapshot_cpu_s`` (the copy: the training thread, or a background
-    one when ``deferred``), ``persist_cpu_s`` (the persist thread, plus the hashing thread when
-    checksums ran beside the write), ``commit_cpu_s`` (rank 0's persist thread).
-    """
-
-    step: int
-    dirname: str
-    bytes: int
-    stall_s: float = 0.0
-    snapshot_s: float = 0.0
-    persist_s: float = 0.0
-    commit_s: float = 0.0
-    committed: bool = False
-    skipped: bool = False
-    started_at: float = 0.0
-    finished_at: float = 0.0
-    """``time.perf_counter()`` at ``save()`` and when this rank's job ended (after the commit on rank 0)."""
-    error: str | None = None
-    """Why this save failed on this rank (``None``: it did not)."""
-    deferred: bool = False
-    """The snapshot copy ran in the background (``save(defer=True)``), not on the training thread."""
-    encode_s: float = 0.0
-    encode_cpu_s: float = 0.0
-    snapshot_cpu_s: float = 0.0
-    persist_cpu_s: float = 0.0
-    commit_cpu_s: float = 0.0
 
 
 @dataclass
@@ -95,7 +60,7 @@ class PersistJob:
 
 def write_rank(storage: Storage, job: PersistJob) -> None:
     """Checksum and write the rank's data file (on a memory level, a buffer that is a file of the
-    level is linked instead: levels/buffers.py), then its index file (both durable on return)."""
+    level is linked instead: save/filebuffers.py), then its index file (both durable on return)."""
     if job.snapshot is not None:
         job.snapshot.result()
     if job.buffer.event is not None:

@@ -28,7 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .sharding.boxes import Box, numel
+from ..sharding.boxes import Box, numel
 
 SPLIT = -1
 """Owner value of a tensor that is split across all ranks."""

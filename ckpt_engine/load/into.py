@@ -6,7 +6,7 @@ by position), the way ``torch.distributed.checkpoint.load`` matches a state dict
 * a ``DTensor`` (any mesh, any placements, any world size) receives the region of the global
   tensor its rank holds (sharding/dtensors.py), a plain tensor the whole tensor, each copied into
   its own memory (``copy_``: on its device, no new tensor); only the stored pieces that meet
-  those regions are read, each verified whole (restore.py), so no rank materialises a whole
+  those regions are read, each verified whole (read.py), so no rank materialises a whole
   sharded tensor;
 * any other value (a number, a string, ``None``) is replaced by the checkpoint's (in the
   containers of ``state``, which are updated in place), a tensor stored where ``state`` holds none
@@ -26,12 +26,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .errors import MismatchError
-from .format.manifest import Manifest
-from .restore import Target, whole_targets
-from .sharding.boxes import full_box, numel
-from .sharding.dtensors import chunk_box, is_dtensor
-from .values import decode, parse_dtype
+from ..errors import MismatchError
+from ..format.manifest import Manifest
+from ..sharding.boxes import full_box, numel
+from ..sharding.dtensors import chunk_box, is_dtensor
+from ..state.decode import decode
+from ..state.values import parse_dtype
+from .places import Target, whole_targets
 
 __all__ = ["fill"]
 

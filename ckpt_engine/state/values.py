@@ -36,12 +36,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import FormatError, UnsupportedValueError
-from .sharding.dtensors import LocalChunk, is_dtensor, local_chunk
+from ..errors import FormatError, UnsupportedValueError
+from ..sharding.dtensors import LocalChunk, is_dtensor, local_chunk
 
 __all__ = ["JSON", "TORCH_DTYPES", "MAX_DEPTH", "MAX_NDIM", "Encoded", "encode", "dtype_name", "parse_dtype",
-           "tensor_refusal", "decode", "check_tree"]
-"""The writing side here and, re-exported from :mod:`.decode`, the reading side."""
+           "tensor_refusal"]
+"""The writing side; the reading side (typed JSON back to values, safe on hostile input) is decode.py."""
 
 JSON = Any
 
@@ -297,7 +297,3 @@ def _has_storage(t: torch.Tensor) -> bool:
         return storage.data_ptr() != 0 and storage.device == t.device
     except (RuntimeError, NotImplementedError):
         return False
-
-
-# The reading side (typed JSON back to values, safe on hostile input) lives in decode.py (re-exported, __all__).
-from .decode import check_tree, decode  # noqa: E402

@@ -32,11 +32,11 @@ import errno
 import warnings
 from typing import Literal, Sequence, Union
 
-from .format.catalog import manifest_dirs
+from ..errors import CheckpointError, CheckpointWarning, DiskFullError
+from ..format.catalog import manifest_dirs
+from ..format.entries import MANIFEST_NAME, data_file, index_file
+from ..storage import Storage
 from .commit import abort_file, remove_checkpoint
-from .errors import CheckpointError, CheckpointWarning, DiskFullError
-from .format.manifest import MANIFEST_NAME, data_file, index_file
-from .storage import Storage
 
 Report = Union[BaseException, CheckpointWarning]
 """What the persist thread hands to the training thread: a failed save, or a warning."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from typing import Mapping, Sequence
 
-from .format.manifest import IndexEntry
+from ..format.entries import IndexEntry
 
 Job = tuple[int, IndexEntry]
 """A piece to read: the rank whose data file holds it, and its index entry."""

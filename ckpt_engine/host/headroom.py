@@ -28,7 +28,7 @@ import resource
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from .errors import InsufficientMemoryError
+from ..errors import InsufficientMemoryError
 
 CHECK_FROM = 64 << 20
 """Reads that allocate less are not checked: :func:`available` costs 0.2-0.5 ms, against a few

@@ -4,7 +4,7 @@ Every rank of a restarted job needs the whole replicated state. Read directly (`
 each of N ranks reads all of it: N times the bytes from shared storage, which is what limits
 recovery on a cluster (the storage's bandwidth divided among N readers). Exchanged
 (``"exchange"``), the state's large pieces are split into N runs of about equal bytes in one
-order every rank computes alike (:func:`~ckpt_engine.restore.split_by_bytes`); each rank reads
+order every rank computes alike (:func:`~ckpt_engine.load.read.split_by_bytes`); each rank reads
 and verifies its run only, then every piece is broadcast from the rank that read it straight
 into the others' destination tensors (no staging copy). Pieces under :data:`MIN_PIECE` are read
 by every rank (a collective per piece costs more than the read). ``"auto"`` (the default) decides
@@ -37,11 +37,13 @@ from typing import Any, Literal
 
 import torch
 
-from .comm import Comm
-from .format.manifest import MANIFEST_NAME, IndexEntry
-from .restore import Opened, Places, Progress, Target, read_entries, split_by_bytes, tensor_name, whole_targets
-from .storage import Storage
-from .values import decode
+from ..comm import Comm
+from ..format.entries import MANIFEST_NAME, IndexEntry
+from ..state.decode import decode
+from ..storage import Storage
+from .open import Opened, Progress, tensor_name
+from .places import Places, Target, whole_targets
+from .read import read_entries, split_by_bytes
 
 log = logging.getLogger("ckpt_engine.restore")
 

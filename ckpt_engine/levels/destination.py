@@ -1,6 +1,6 @@
 """Where checkpoints go: the one interface a ``Checkpointer`` delegates to, whatever the levels.
 
-Implementations: :class:`~ckpt_engine.single_level.SingleLevel` (one path: a set of one level)
+Implementations: :class:`~ckpt_engine.levels.single.SingleLevel` (one path: a set of one level)
 and :class:`~ckpt_engine.levels.multilevel.MultiLevel` (a fast first level, flushed in the
 background to slower ones). A new kind of level (node memory, a peer's memory) is a new
 implementation of :class:`Destination`; the ``Checkpointer`` does not change.
@@ -15,12 +15,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 if TYPE_CHECKING:
-    from .commit import CommitInputs
-    from .errors import CheckpointError
-    from .levels.open import Level
-    from .persist import PersistJob
-    from .restore_agreed import Loaded
-    from .restore_exchange import Exchange
+    from ..save.commit import CommitInputs
+    from ..errors import CheckpointError
+    from .open import Level
+    from ..save.persist import PersistJob
+    from ..load.agreed import Loaded
+    from ..load.exchange import Exchange
 
 
 class Destination(Protocol):
@@ -111,13 +111,13 @@ class Destination(Protocol):
     def load(self, step: int | None, fallback: bool, threads: int, failures: list[str],
              progress: bool, into: Any = None) -> tuple[Any, Loaded]:
         """``Checkpointer.load()``: the state of the newest checkpoint (or ``step``) that verifies
-        (``into`` filled in place from it, when given: restore_into.py)."""
+        (``into`` filled in place from it, when given: load/into.py)."""
         ...
 
     def restore(self, step: int | None, fallback: bool, threads: int, failures: list[str],
                 into: Any = None, exchange: Exchange | None = None) -> tuple[Any, Loaded]:
         """``Checkpointer.restore()``, every rank together: the same, verified on every rank
-        (``exchange``: the route of the replicated state's large pieces, restore_exchange.py)."""
+        (``exchange``: the route of the replicated state's large pieces, load/exchange.py)."""
         ...
 
     def open_newest(self) -> Loaded:

@@ -34,10 +34,11 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
-from .sharding.boxes import Box, index_boxes
+from ..sharding.boxes import Box, index_boxes
 
 if TYPE_CHECKING:
-    from .snapshot import HostBuffer, Span
+    from .buffers import HostBuffer
+    from .layout import Span
 
 
 def storage_span(boxes: Iterable[Box], stride: Sequence[int], offset: int) -> tuple[int, int]:

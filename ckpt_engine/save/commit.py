@@ -25,10 +25,11 @@ from typing import Any, Callable, Collection
 
 import xxhash
 
-from .format.catalog import LATEST, attempt_dirs, parse_dir
-from .errors import CheckpointError, CheckpointWarning, CommitTimeoutError, FormatError
-from .format.manifest import MANIFEST_NAME, Manifest, RankIndex, RankRecord, TensorEntry, check_coverage, index_file
-from .storage import Storage
+from ..errors import CheckpointError, CheckpointWarning, CommitTimeoutError, FormatError
+from ..format.catalog import LATEST, attempt_dirs, parse_dir
+from ..format.entries import MANIFEST_NAME, RankRecord, TensorEntry, index_file
+from ..format.manifest import Manifest, RankIndex, check_coverage
+from ..storage import Storage
 
 
 def abort_file(rank: int) -> str:

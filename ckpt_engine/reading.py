@@ -1,0 +1,113 @@
+"""The reading side of a ``Checkpointer`` (checkpointer.py): listing steps, ``load()``, ``load_local()``
+and the collective ``restore()``, all through its destination (levels/: one path or several levels).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .comm import Comm
+from .format.manifest import Manifest
+from .levels.destination import Destination
+from .load.agreed import Loaded, Restored
+from .load.exchange import Exchange, RestoreFigures
+
+
+class CheckpointReading:
+    """What ``Checkpointer`` offers for reading; set up by ``Checkpointer.__init__``."""
+
+    comm: Comm
+    rank: int
+    read_threads: int
+    load_failures: list[str]
+    _dest: Destination
+    _exchange: Exchange
+    _loaded: Loaded | None
+
+    # ---- loading ------------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Steps of the committed checkpoints, oldest first (multi-level: on any level)."""
+        return self._dest.steps()
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or ``None`` when there is none."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def load(self, step: int | None = None, *, into: Any = None, fallback: bool = False,
+             progress: bool = False) -> Any:
+        """The replicated state of the newest committed checkpoint (or of ``step``), on CPU.
+
+        Sharded tensors (``DTensor``) come back whole, as plain tensors. ``into``: a state to fill
+        in place instead (load/into.py), e.g. a sharded model's and optimizer's state dicts
+        (FSDP2, HSDP, tensor parallel: any mesh and world size) or a plain one: every tensor in it
+        is filled (``copy_``, on its device), each rank reading only the pieces its own chunks
+        need; other values are replaced by the checkpoint's, keys the checkpoint lacks are an
+        error naming the key. Returns ``into``.
+
+        Every byte read is verified; a mismatch raises :class:`CorruptionError` naming the file
+        and tensor. So is the ``local`` of this rank's writer and of writer 0 (what the front ends
+        resume per-rank state from), so that ``load_local()`` of either cannot fail afterwards.
+        With ``fallback=True`` a checkpoint any of whose parts fails verification is skipped (and
+        recorded in ``load_failures``) for the next newest one. Works with any world size,
+        including a single process. Raises :class:`NoCheckpointError` when there is nothing.
+        Not a collective (single level): ranks may fall back differently; :meth:`restore` agrees.
+
+        Multi-level: every level is considered, the newest step first and the fastest level
+        first on a tie; a copy that fails verification falls back to the same step on the next
+        level (older steps only with ``fallback=True``); with several ranks this is a collective.
+
+        ``progress=True`` draws a byte progress bar on stderr when it is a terminal (rank 0).
+        """
+        self.load_failures = []
+        state, self._loaded = self._dest.load(step, fallback, self.read_threads, self.load_failures, progress, into)
+        return state
+
+    def load_local(self, rank: int | None = None) -> Any:
+        """This rank's ``local`` from the checkpoint of the last ``load()`` (or the newest).
+
+        With a different world size, rank ``r`` gets writer ``r``'s local when ``r`` is below
+        the writers' world size and ``None`` otherwise; ``rank=`` reads any writer's (``0..world_size - 1``
+        of the checkpoint, else a ``ValueError``).
+        """
+        if self._loaded is None:  # before any load(): the newest this process sees, no communication
+            self._loaded = self._dest.open_newest()
+        return self._loaded.local(self.rank) if rank is None else self._loaded.writer_local(rank)
+
+    def restore(self, step: int | None = None, *, into: Any = None, fallback: bool = True) -> Restored:
+        """Every rank, together (a collective): the checkpoint to resume from, and this rank's parts.
+
+        The newest checkpoint (or the newest attempt of ``step``) whose replicated state, this
+        rank's writer's ``local`` and writer 0's ``local`` verify on every rank; with
+        ``fallback=True`` (the default) one that fails on any rank is skipped by all ranks alike
+        (recorded in ``load_failures``), so every rank resumes from the same step. Returns a
+        :class:`Restored`: ``state``, ``local`` (``None`` when this rank had no writer), ``first``
+        (writer 0's), ``step``, ``manifest``; ``load_local()`` then returns the same values.
+        Raises :class:`NoCheckpointError` when there is nothing (the front ends start fresh).
+        ``into``: fill that state in place (see :meth:`load`); ``state`` is then ``into``.
+        """
+        self.load_failures = []
+        self._exchange.figures = None
+        state, loaded = self._dest.restore(step, fallback, self.read_threads, self.load_failures, into,
+                                           self._exchange)
+        self._loaded = loaded
+        m = loaded.manifest
+        return Restored(m.step, loaded.opened.dirname, state, loaded.local(self.rank), loaded.local(0), m,
+                        loaded.level)
+
+    @property
+    def restore_figures(self) -> RestoreFigures | None:
+        """What this rank's last ``restore()`` did when it went through the exchange: the route
+        taken, bytes read and received, seconds, and ``auto``'s measurement (``None`` when it read
+        directly: one rank, ``into=``, route ``read``, or ``auto`` having chosen to read)."""
+        return self._exchange.figures
+
+    @property
+    def loaded_manifest(self) -> Manifest | None:
+        """The manifest of the checkpoint the last ``load()`` read."""
+        return self._loaded.manifest if self._loaded else None
+
+    @property
+    def loaded_level(self) -> int | None:
+        """Which level (0: the first, fastest) the last ``load()`` read from."""
+        return self._loaded.level if self._loaded else None
