@@ -71,7 +71,7 @@ def uninterrupted(tmp_path_factory):
 def shared_dir(tmp_path_factory, name: str):
     """A directory every process of this test session sees: under pytest-xdist, beside the workers'
     own base directories (pytest-xdist's documented way to share a fixture's result); otherwise in
-    this session's base directory (never in the parent, which other sessions share)."""
+    pytest's base temporary directory of this run (never in its parent, which other runs share)."""
     base = tmp_path_factory.getbasetemp()
     root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
     root.mkdir(exist_ok=True)

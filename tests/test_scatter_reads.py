@@ -119,7 +119,7 @@ def test_steps_cut_the_buffers_into_requests_of_at_most_step_bytes_in_order(size
 def test_a_local_restore_reads_and_verifies_in_cache_sized_steps(tmp_path, monkeypatch):
     """Each request of a local restore is at most ``verify_step`` bytes and its checksum is
     updated right after it, while the bytes are in the core's cache: hashing a whole 64 MiB run
-    after reading it cost 1.5 x the read itself here (benchmarks/README.md, session 10)."""
+    after reading it cost 1.5 x the read itself here (bench_save, 2026-11-26, f436282)."""
     requests = []
     real = local_storage.LocalReader._read_many
     monkeypatch.setattr(local_storage.LocalReader, "_read_many", lambda self, offset, dests: requests.append(

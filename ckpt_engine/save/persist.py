@@ -127,7 +127,7 @@ class PersistWorker:
         self._lock = threading.Lock()
         # At the training thread's priority, on purpose: lowered (nice 10) it is preempted while it
         # holds the GIL, and training waits for it; measured, each checkpoint then cost the
-        # Transformer +125-150 ms of CPU and +70 ms of wall (benchmarks/README.md, session 11).
+        # Transformer +125-150 ms of CPU and +70 ms of wall (bench_lightning, 2026-11-26, 532da76).
         self._thread = threading.Thread(target=self._run, name="ckpt-persist", daemon=True)
         self._thread.start()
 

@@ -191,7 +191,7 @@ class LocalReader(Reader):
     """Hashing each MiB right after its ``preadv`` (from the core's cache) instead of a 64 MiB run
     after reading it (from memory): a warm 1 GiB read plus its checksums on 2 threads took 1.11-1.19
     x the read alone instead of 1.50 x (256 KiB to 4 MiB steps: 1.10-1.31 x, 1 MiB best or within
-    noise of it; benchmarks/README.md, session 10)."""
+    noise of it; bench_save, 2026-11-26, f436282)."""
 
     def __init__(self, storage: LocalStorage, rel: str) -> None:
         super().__init__(storage, rel)
