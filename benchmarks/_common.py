@@ -204,7 +204,7 @@ def prime_free_memory(nbytes: int) -> None:
     contender finds recycled pages, as on a machine whose free memory is simply free. Huge pages where
     the kernel gives them (they split for 4 KiB allocations); the fill is timed by nobody.
     """
-    from ckpt_engine import hugepages
+    from ckpt_engine.host import hugepages
 
     block = hugepages.empty((nbytes + 64 * MiB,), torch.uint8)
     block.fill_(0)
@@ -264,7 +264,7 @@ def state_bytes(state: Any) -> int:
 def saved_bytes(state: Any) -> int:
     """Tensor bytes a checkpoint of ``state`` stores: the tensors of the engine's own ``encode()``,
     which stores tensors sharing data once (a tied embedding once)."""
-    from ckpt_engine.values import encode
+    from ckpt_engine.state.values import encode
 
     return sum(t.numel() * t.element_size() for t in encode(state).tensors)
 

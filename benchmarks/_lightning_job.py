@@ -138,6 +138,11 @@ class FitResult:
     """The benchmark's name of the configuration (``contender`` when empty)."""
 
     @property
+    def loop_s(self) -> float:
+        """The training loop's wall time, from the first step's end to the last's (no set-up, no end)."""
+        return self.marks[-1][0] - self.marks[0][0] if self.marks else float("nan")
+
+    @property
     def other_cpu_s(self) -> float:
         """Process CPU that is neither the main thread's nor a Python thread's (native threads)."""
         return self.process_cpu_s - self.main_cpu_s - sum(self.threads_cpu_s.values())
@@ -247,8 +252,11 @@ def drift_corrected(r: FitResult, base: FitResult, i: int = 0, total: str = "end
     """Overhead with each fit measured in its own clean steps: ``total`` ÷ (steps × clean step), minus
     the same of the no-checkpointing fit of its round. Whole fits run uniformly faster or slower than
     their neighbours here; this figure is not fooled by that, but misses a slowdown lasting whole intervals."""
-    own = getattr(r, total) / (len(r.marks) * clean_step(r, i))
-    return own - getattr(base, total) / (len(base.marks) * clean_step(base, i))
+    def steps(f: FitResult) -> int:  # the loop (``loop_s``) starts at the first step's end
+        return len(f.marks) - (total == "loop_s")
+
+    own = getattr(r, total) / (steps(r) * clean_step(r, i))
+    return own - getattr(base, total) / (steps(base) * clean_step(base, i))
 
 
 def local_costs(r: FitResult, window: int, i: int = 0, tail: float = 0.7) -> list[float]:
@@ -493,8 +501,10 @@ def _child(a: argparse.Namespace) -> None:
             from _slow_storage import SLOW, SlowStorage, throttle
 
             if a.slow_at_step:  # the disk slows down from that step on
-                callbacks.append(pl.LambdaCallback(on_train_batch_end=lambda trainer, *_: None if SLOW["on"] or
-                                                   trainer.global_step < a.slow_at_step else throttle(a.slow_mb_s)))
+                from pytorch_lightning.callbacks import LambdaCallback
+
+                callbacks.append(LambdaCallback(on_train_batch_end=lambda trainer, *_: None if SLOW["on"] or
+                                                trainer.global_step < a.slow_at_step else throttle(a.slow_mb_s)))
             else:
                 throttle(a.disk_mb_s)
             slow = SLOW

@@ -68,7 +68,7 @@ from ckpt_engine import Checkpointer  # noqa: E402
 from ckpt_engine.config import CheckpointConfig  # noqa: E402
 from ckpt_engine.training.policy import EveryNSteps  # noqa: E402
 from ckpt_engine.training.schedule import Schedule  # noqa: E402
-from ckpt_engine.values import encode  # noqa: E402
+from ckpt_engine.state.values import encode  # noqa: E402
 
 GiB, MiB = 1 << 30, 1 << 20
 warnings.filterwarnings("ignore")

@@ -12,7 +12,7 @@ then once more adaptive 3.5 % on a disk that slows down halfway through (``_slow
 that a checkpoint's write takes ``--slow-factor`` × the adaptive interval's wall time).
 
 Per configuration (median over ``--reps`` rounds, the order alternating): overhead of the training
-time (``fit`` to the first ``on_train_end``) over no checkpointing, drift-corrected (each fit in its
+loop (the first step's end to the last's) over no checkpointing, drift-corrected (each fit in its
 own clean steps), checkpoints, mean interval, expected lost work, local cost per checkpoint (the
 excess of the steps after it over the clean steps before it). Targets: overhead ≤ budget + 1 point;
 at the same overhead ≥ 3 × the checkpoints of the best peer (the inverse ratio of the local costs);
@@ -56,8 +56,9 @@ def name_of(b: float) -> str:
 
 
 def saves(r: FitResult) -> list[int]:
-    """The steps checkpointed inside the loop (ours' save at the last step is the end of training's)."""
-    return [s for s in r.save_steps if s < len(r.marks)]
+    """The steps checkpointed inside the loop (ours' save at the last step is the end of training's;
+    no checkpointing lists the steps the others checkpoint, for its control windows)."""
+    return [s for s in r.save_steps if s < len(r.marks)] if r.contender != "none" else []
 
 
 def intervals(r: FitResult) -> list[int]:
@@ -72,7 +73,8 @@ def settled_interval(r: FitResult) -> int:
 
 
 class Runner:
-    """Fits one after another, each after waiting (a little) for the other processes to quieten."""
+    """Fits one after another, each after waiting (a little) for the other processes to quieten; a fit
+    during which they used more than ``quiet`` cores is run once more, the less disturbed one kept."""
 
     def __init__(self, job: FitJob, workdir: str, quiet: float) -> None:
         self.job, self.workdir, self.quiet, self.fits = job, workdir, quiet, []
@@ -80,19 +82,26 @@ class Runner:
         warm_up(job, workdir, self.pycache)
 
     def __call__(self, name: str, contender: str, rep: int, job: FitJob | None = None, **kw: Any) -> FitResult:
-        wait_quiet(self.quiet, max_wait=10.0)
-        load = CpuLoad()
-        r = run_fit(job or self.job, contender, self.workdir, rep=rep, pycache=self.pycache, name=name, **kw)
-        r.counters["foreign_cores"] = load.foreign_cores()
-        self.fits.append(r)
-        print(f"  round {rep} {name:12s} training {r.end_wall_s:6.2f} s  ckpts {len(saves(r)):3d}  "
-              f"foreign load {r.counters['foreign_cores']:.2f} cores", flush=True)
-        return r
+        best: FitResult | None = None
+        for attempt in range(2):
+            wait_quiet(self.quiet, max_wait=10.0)
+            load = CpuLoad()
+            r = run_fit(job or self.job, contender, self.workdir, rep=rep, pycache=self.pycache, name=name, **kw)
+            r.counters["foreign_cores"] = load.foreign_cores()
+            print(f"  round {rep} {name:12s} loop {r.loop_s:6.2f} s  ckpts {len(saves(r)):3d}  foreign load "
+                  f"{r.counters['foreign_cores']:.2f} cores{'  (run again)' if attempt else ''}", flush=True)
+            if best is None or r.counters["foreign_cores"] < best.counters["foreign_cores"]:
+                best = r
+            if r.counters["foreign_cores"] <= self.quiet:
+                break
+        assert best is not None
+        self.fits.append(best)
+        return best
 
 
 def summarize(fits: list[FitResult], names: list[str], k: int) -> dict[str, Any]:
     by = {n: [r for r in fits if r.name == n] for n in names}
-    base = median([r.end_wall_s for r in by["none"]])
+    base = median([r.loop_s for r in by["none"]])
     base_round = {r.rep: r for r in by["none"]}
     it = base / len(by["none"][0].marks)
     rows: dict[str, Any] = {}
@@ -103,11 +112,12 @@ def summarize(fits: list[FitResult], names: list[str], k: int) -> dict[str, Any]
         figs = [f for r in rs for f in r.figures if f.get("kind", "save") == "save"]
         local = [c * 1e3 for r in rs for c in local_costs(r, WINDOW)] if n != "none" else []
         rows[n] = {
-            "training_s": median([r.end_wall_s for r in rs]),
-            "overhead": median([r.end_wall_s for r in rs]) / base - 1,
-            "dc_overhead": median([drift_corrected(r, base_round[r.rep]) for r in rs if r.rep in base_round]),
+            "loop_s": median([r.loop_s for r in rs]), "overhead": median([r.loop_s for r in rs]) / base - 1,
+            "dc_overhead": median([drift_corrected(r, base_round[r.rep], total="loop_s") for r in rs
+                                   if r.rep in base_round]),
             "n_ckpt": ckpts, "mean_interval": mean(ivs), "expected_lost_work_s": mean(ivs) / 2 * it,
             "local_cost_ms": mean(local), "stall_ms": mean([f["stall_ms"] for f in figs]),
+            "train_cpu_ms": mean([x for r in rs for x in r.train_cpu_ms]),
             "policy_overhead": mean([f["measured_overhead"] for f in figs if "measured_overhead" in f]),
             "clean_step_ms": median([clean_step(r) * 1e3 for r in rs]),
             "foreign_cores_max": max(r.counters.get("foreign_cores", math.nan) for r in rs),
@@ -162,13 +172,15 @@ def _f(x: float, fmt: str = "{:.1f}") -> str:
 def markdown(s: dict[str, Any], slow: dict[str, Any] | None, steps: int, reps: int) -> str:
     lines = [f"# bench_overhead: MLP + Adam, {steps} steps, iteration ≈ {s['iteration_ms']:.0f} ms, {reps} rounds, "
              f"peers every k = {s['k']} steps", "",
-             "| configuration | training s | overhead | drift-corrected | policy's estimate | checkpoints "
-             "| mean interval | expected lost work s | local cost per ckpt ms | stall ms | clean step ms "
-             "| foreign load (max cores) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| configuration | loop s | overhead | drift-corrected | policy's estimate | checkpoints "
+             "| mean interval | expected lost work s | local cost per ckpt ms | stall ms (ours) "
+             "| training-thread CPU per ckpt ms | clean step ms | foreign load (max cores) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for n, r in s["rows"].items():
-        lines.append(f"| {n} | {r['training_s']:.2f} | {r['overhead'] * 100:+.1f} % | {r['dc_overhead'] * 100:+.1f} % "
+        lines.append(f"| {n} | {r['loop_s']:.2f} | {r['overhead'] * 100:+.1f} % | {r['dc_overhead'] * 100:+.1f} % "
                      f"| {_f(r['policy_overhead'] * 100, '{:.1f} %')} | {r['n_ckpt']:.0f} | {_f(r['mean_interval'])} "
                      f"| {_f(r['expected_lost_work_s'], '{:.2f}')} | {_f(r['local_cost_ms'])} | {_f(r['stall_ms'])} "
+                     f"| {_f(r['train_cpu_ms'])} "
                      f"| {r['clean_step_ms']:.1f} | {_f(r['foreign_cores_max'], '{:.2f}')} |")
     lines += ["", *verdicts(s), ""]
     if slow is not None:
@@ -182,7 +194,7 @@ def markdown(s: dict[str, Any], slow: dict[str, Any] | None, steps: int, reps: i
                   f"| stall ms | {_f(slow['stall_ms_before'])} | {_f(slow['stall_ms_after'])} |",
                   f"| overhead against the fit's clean step | {slow['overhead_before'] * 100:+.1f} % "
                   f"| {slow['overhead_after'] * 100:+.1f} % |", ""]
-    lines += ["Notes: training = `fit` to the first `on_train_end` (before ours' final wait); overhead = median "
+    lines += ["Notes: loop = the first step's end to the last's (no set-up, not ours' final wait); overhead = median "
               "÷ that of no checkpointing − 1; drift-corrected = each fit in its own clean step (the median of the "
               "late steps of its intervals) against its round's no-checkpointing fit; local cost = the excess of the "
               f"{WINDOW} steps after a checkpoint over the late steps before it; expected lost work = mean interval "

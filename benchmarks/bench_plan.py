@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ckpt_engine.plan import TensorMeta, make_plan  # noqa: E402
+from ckpt_engine.state.plan import TensorMeta, make_plan  # noqa: E402
 
 
 def shapes(n: int) -> list[tuple[int, ...]]:

@@ -49,7 +49,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _levels import bench_levels  # noqa: E402
-from ckpt_engine import hugepages  # noqa: E402
+from ckpt_engine.host import hugepages  # noqa: E402
 from _common import (MemProbe, Metrics, RankCtx, StateSpec, aligned_copy, best_of, byte_view,  # noqa: E402
                      free_port, make_state, numbered, read_into, set_page_cache, share_slices, state_bytes,
                      states_equal, summary, timed, timed_save, write_fsync)

@@ -38,7 +38,6 @@ import ctypes
 import gc
 import json
 import os
-import resource
 import shutil
 import sys
 import tempfile
@@ -52,8 +51,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (MemProbe, Metrics, MiB, RankCtx, byte_view, drop_page_cache, num, numbered,  # noqa: E402
-                     summary, timed, timed_save)
+from _common import (CpuLoad, MemProbe, Metrics, MiB, RankCtx, byte_view, drop_page_cache, num,  # noqa: E402
+                     numbered, summary, timed, timed_save)
 from bench_save import RawWriter, _slowest, spawn_ranks  # noqa: E402
 
 PEERS = ("lightning", "dcp_save", "dcp_async", "dcp_async_stager", "dcp_async_process")
@@ -607,16 +606,6 @@ def write_report(worlds: dict[int, dict[str, Any]], config: dict[str, Any], out:
 
 
 # ---- the machine ----------------------------------------------------------------------------------------
-def cpu_seconds() -> tuple[float, float]:
-    """(busy CPU seconds of the whole machine, CPU seconds of this process and its reaped children)."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    machine = (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-    mine = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return machine, sum(r.ru_utime + r.ru_stime for r in mine)
-
-
 def parse_args(argv: list[str] | None = None) -> Config:
     """Command line → :class:`Config` (the working directory is created here)."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -649,14 +638,13 @@ def parse_args(argv: list[str] | None = None) -> Config:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
-    start = time.perf_counter(), *cpu_seconds()
+    start, load = time.perf_counter(), CpuLoad()
     try:
         worlds = {w: run_world(w, cfg) for w in cfg.worlds}
     finally:
         if not cfg.keep:
             shutil.rmtree(cfg.dir, ignore_errors=True)
-    wall, (machine, mine) = time.perf_counter() - start[0], cpu_seconds()
-    other = max(0.0, (machine - start[1]) - (mine - start[2])) / (wall * (os.cpu_count() or 1))
+    wall, other = time.perf_counter() - start, load.foreign_cores() / (os.cpu_count() or 1)
     config = {**asdict(cfg), "cpu_count": os.cpu_count(), "torch": torch.__version__, "wall_s": wall,
               "other_cpu_fraction": other, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     print(write_report(worlds, config, cfg.out))

@@ -112,7 +112,7 @@ def markdown_figures(text: str, tables: int = 1) -> list[str]:
                 out.append(line)
             continue
         in_table, last = False, line.strip() or last
-        if VERDICT.search(line) and not line.startswith(("Run ", "#")):
+        if VERDICT.search(line) and not line.startswith(("Run ", "#", "Notes")):
             out += ["", line] if out and not out[-1].startswith("- ") else [line]
     return out
 
