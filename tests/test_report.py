@@ -142,7 +142,7 @@ def test_the_stall_target_brackets_each_save_with_the_copy_on_both_sides(save_ro
     assert paired_stalls(saves)["stall_vs_copy_median"] == pytest.approx(1.1) and paired_stalls(saves)["pairs"] == 5
     # runs of older bench_saves render as they did: the copy's side alternating (2026-11-26), before it the copy first
     alternating = {"stall_vs_copy_median": 1.125, "stall_vs_copy_median_limit_first": 1.025, "pairs_limit_first": 2.0,
-           "stall_vs_copy_median_save_first": 1.25, "pairs_save_first": 2.0}
+                   "stall_vs_copy_median_save_first": 1.25, "pairs_save_first": 2.0}
     main, before, after = save_rows.paired_stall("1", {"paired": alternating})
     assert "both orders" in main.metric and main.passed is False and "(2 saves)" in before.metric
     (old,) = save_rows.paired_stall("1", {"paired": {"stall_vs_copy_median": 1.05}})
