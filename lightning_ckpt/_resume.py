@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import os
 import posixpath
-import warnings
 from typing import Any, Callable, Optional, Protocol
 
 from ckpt_engine.agree import on_rank0
 from ckpt_engine.config import CheckpointConfig
-from ckpt_engine.errors import NoCheckpointError, UnsupportedValueError
+from ckpt_engine.errors import NoCheckpointError
 from ckpt_engine.format.catalog import parse_dir
-from ckpt_engine.state.values import encode
+from ckpt_engine.interop.lightning import plain_misc
 from ckpt_engine.training.parts import Parts, split_weights
 from ckpt_engine.training.session import TrainingSession
 
@@ -39,19 +38,6 @@ def split(checkpoint: dict[str, Any], buffer_names: Any) -> Parts:
                  {"misc": plain_misc(checkpoint), "buffers": buffers})
 
 
-def assemble(state: dict[str, Any], misc: dict[str, Any], buffers: Optional[dict[str, Any]]) -> dict[str, Any]:
-    """Lightning's checkpoint dictionary: the replicated weights and optimizer states, this
-    rank's buffers, and the rest (loops, schedulers, callbacks, ...) from writer rank 0. ``buffers``
-    ``None``: the rest alone (a sharded strategy's state is loaded by ``lightning_ckpt._sharded``, and
-    the strategy's own restore methods do nothing)."""
-    checkpoint = dict(misc)
-    if buffers is None:
-        return checkpoint
-    checkpoint["state_dict"] = {**state["state_dict"], **buffers}
-    checkpoint["optimizer_states"] = state["optimizer_states"]
-    return checkpoint
-
-
 def resume_start(callback: Resuming, trainer: Any, path: Any, lightning: Callable[[Any], None]) -> None:
     """Restore exactly one checkpoint (README, "Which checkpoint a resume restores"), in place of
     the checkpoint connector's ``resume_start`` (``lightning(path)`` does what it would have done):
@@ -59,7 +45,9 @@ def resume_start(callback: Resuming, trainer: Any, path: Any, lightning: Callabl
     * ``ckpt_path`` is one of ours: that one (read once, through :class:`CheckpointIOWrapper`; under a
       sharded strategy, whose ``load_checkpoint`` reads its own format, directly);
     * ``ckpt_path`` is Lightning's ``last`` checkpoint (``"last"``): the newer of it and our
-      newest, ours on a tie (it also restores the data position and RNG exactly);
+      newest, ours on a tie (it also restores the data position and RNG exactly), and ours when
+      Lightning's newer one cannot resume exactly (mid-epoch, its loader not resumable) and ours is
+      at most one of our intervals older;
     * any other ``ckpt_path``: that one (an explicit choice wins);
     * none: our newest with ``resume="auto"``, else nothing.
 
@@ -76,10 +64,10 @@ def resume_start(callback: Resuming, trainer: Any, path: Any, lightning: Callabl
         lightning(path)
         return
     ck = callback.session.ck
-    ours = on_rank0(ck.comm, ck.latest_step) if path is not None else None  # a failure: raised on every rank
+    steps = on_rank0(ck.comm, ck.steps) if path is not None else []  # a failure: raised on every rank
     lightning(path)
     if (path is None and callback.resume != "auto") or \
-            (path is not None and not _ours_instead(trainer, path, ours, root, callback.resume)):
+            (path is not None and not _ours_instead(trainer, path, steps, callback)):
         return
     try:
         checkpoint = callback.restore(None)  # the newest that verifies everywhere (a damaged one is skipped)
@@ -88,21 +76,61 @@ def resume_start(callback: Resuming, trainer: Any, path: Any, lightning: Callabl
     _trainer_api.inject_loaded_checkpoint(trainer, checkpoint, root)
 
 
-def _ours_instead(trainer: Any, path: Any, ours: int | None, root: str, resume: str) -> bool:
-    """Whether our newest (step ``ours``) is restored instead of the explicit ``path`` that
-    Lightning loaded; says which of the two is not used."""
-    if ours is None:
+def _ours_instead(trainer: Any, path: Any, steps: list[int], callback: Resuming) -> bool:
+    """Whether our newest (the last of ``steps``, committed) is restored instead of the explicit
+    ``path`` that Lightning loaded; says which of the two is used and why.
+
+    Ours replaces Lightning's ``last`` checkpoint (``ckpt_path="last"``, ``resume="auto"``) when it is
+    as new, or when Lightning's newer one cannot resume exactly (:func:`inexact`) and ours is at most
+    one of our intervals older (:func:`interval`): ours restores the data position and RNG too."""
+    if not steps:
         return False
-    theirs = int(_trainer_api.loaded_checkpoint(trainer).get("global_step", -1))
-    if resume == "auto" and ours >= theirs and os.path.abspath(str(path)) in _trainer_api.last_checkpoint_files(trainer):
+    ours, root = steps[-1], callback.config.location
+    loaded = _trainer_api.loaded_checkpoint(trainer)
+    theirs = int(loaded.get("global_step", -1))
+    last = callback.resume == "auto" and os.path.abspath(str(path)) in _trainer_api.last_checkpoint_files(trainer)
+    if last and ours >= theirs:
         _lightning.notice(trainer, f"AsyncShardedCheckpoint: ckpt_path={str(path)!r} is Lightning's last checkpoint "
                           f"(step {theirs}); this callback's checkpoint at step {ours} is as new or newer and "
                           f"is restored instead (it also restores the data position and RNG); {path} is not used.")
+        return True
+    why, every = inexact(loaded) if last else None, interval(callback.config.every_n_steps, steps)
+    if why is not None and theirs - ours <= every:
+        _lightning.notice(trainer, f"AsyncShardedCheckpoint: ckpt_path={str(path)!r} is Lightning's last checkpoint "
+                          f"(step {theirs}), taken {why}: restored, the batches of that epoch before it would be "
+                          f"trained again. This callback's checkpoint at step {ours}, {theirs - ours} step(s) older "
+                          f"(at most one of its intervals, {every} steps), resumes exactly (data position and RNG "
+                          f"too) and is restored instead; {path} is not used.")
         return True
     _lightning.notice(trainer, f"AsyncShardedCheckpoint: restoring ckpt_path={str(path)!r} (step {theirs}); not "
                       f"restoring this callback's newest checkpoint (step {ours} under {root}). To resume from it, "
                       f"call fit() without ckpt_path or with ckpt_path={root!r}.", warn=ours > theirs)
     return False
+
+
+def inexact(checkpoint: dict[str, Any]) -> Optional[str]:
+    """Why Lightning cannot resume ``checkpoint`` (its own dictionary) exactly, or ``None``: taken in
+    the middle of an epoch (its loop had started batches and the last was not among them) without a
+    stateful train loader's state (``StatefulDataLoader``: Lightning saves it with the loops). Lightning
+    then restarts that epoch's data from its beginning (it warns that the loader is not resumable).
+    A checkpoint without loops (weights only) says nothing either way: ``None``."""
+    fit = (checkpoint.get("loops") or {}).get("fit_loop")
+    if not isinstance(fit, dict):
+        return None
+    batches = fit.get("epoch_loop.batch_progress") or {}
+    started = int((batches.get("current") or {}).get("ready", 0))
+    if started == 0 or batches.get("is_last_batch", False) or (fit.get("state_dict") or {}).get("combined_loader"):
+        return None
+    return (f"mid-epoch (epoch {checkpoint.get('epoch', '?')}, after its batch {started}) with a train loader that "
+            "saves no position")
+
+
+def interval(every_n_steps: Optional[int], steps: list[int]) -> int:
+    """One of our intervals, in steps: ``every_n_steps`` when configured, else (a time or overhead
+    policy) the gap between our two newest checkpoints ``steps`` (the first one's step alone)."""
+    if every_n_steps:
+        return every_n_steps
+    return steps[-1] - steps[-2] if len(steps) > 1 else steps[-1]
 
 
 def name_newer_files(trainer: Any, step: int, taken: float) -> None:
@@ -167,31 +195,3 @@ class CheckpointIOWrapper(*_lightning.bases("plugins.io.CheckpointIO")):  # type
 
     def teardown(self) -> None:
         self.inner.teardown()
-
-
-def plain_misc(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """Lightning's checkpoint minus weights, with the hyper-parameters that are not plain values
-    dropped with a warning (resume does not need them). Anything else unstorable fails in
-    ``Checkpointer.save`` naming its key, so only the hyper-parameters are checked here."""
-    out = {}
-    for key, value in checkpoint.items():
-        if "hyper_parameters" in key or "hparams" in key:
-            try:
-                encode(value, key)
-            except UnsupportedValueError as e:
-                if not isinstance(value, dict):
-                    warnings.warn(f"AsyncShardedCheckpoint: {key} not stored: {e}", stacklevel=3)
-                    continue
-                value = {k: v for k, v in value.items() if _plain(k, v)}
-        out[key] = value
-    return out
-
-
-def _plain(key: str, value: Any) -> bool:
-    try:
-        encode(value, key)
-        return True
-    except UnsupportedValueError:
-        warnings.warn(f"AsyncShardedCheckpoint: hyper-parameter {key!r} is not a plain value and is not stored "
-                      "(resume does not need it)", stacklevel=4)
-        return False

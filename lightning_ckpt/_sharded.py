@@ -25,11 +25,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ckpt_engine.errors import CheckpointError, MismatchError
+from ckpt_engine.interop.lightning import plain_misc
 from ckpt_engine.sharding.dtensors import is_dtensor
 from ckpt_engine.training.parts import Parts, Resumed
 
 from . import _lightning
-from ._resume import plain_misc
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer

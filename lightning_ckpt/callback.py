@@ -17,7 +17,8 @@ What a checkpoint holds, split the way data parallelism splits it:
   writer rank 0, as in Lightning's own checkpoints.
 
 Resume: exactly one checkpoint is restored (ours with ``resume="auto"`` or ``fit(ckpt_path=<ours>)``,
-Lightning's with another ``ckpt_path``; ``"last"`` takes the newer: see ``_resume.resume_start``).
+Lightning's with another ``ckpt_path``; ``"last"`` takes the newer, or ours when Lightning's newer one
+cannot resume exactly and ours is at most one interval older: see ``_resume.resume_start``).
 From ours Lightning restores the dictionary this callback assembles; the train sampler is wrapped
 so that the interrupted epoch continues at the next unseen sample, and the RNG streams are restored
 at the step (see ``ckpt_engine.training.resumable``); on another number of devices the rest of the
@@ -36,13 +37,14 @@ import torch
 from ckpt_engine import CheckpointError, LocalComm, TorchDistComm
 from ckpt_engine.config import DEFAULT_KEEP_LAST
 from ckpt_engine.host.collector import pause_collector, resume_collector
+from ckpt_engine.interop.lightning import assemble
 from ckpt_engine.training.parts import Parts
 from ckpt_engine.training.resumable import ResumableSampler, set_rng_state
 from ckpt_engine.training.session import TrainingSession
 
 from . import _data, _flags, _lightning, _resume, _sharded, _trainer_api
 from ._preempt import stop_agreement
-from ._resume import CheckpointIOWrapper, assemble
+from ._resume import CheckpointIOWrapper
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
@@ -158,7 +160,8 @@ class AsyncShardedCheckpoint(*_lightning.bases("callbacks.Callback")):  # type: 
         for sampler in self._samplers:
             self._apply_data_position(sampler)
         if self._trainer is not None:
-            self._quiet = _lightning.silence_not_resumable()  # this callback resumes the data position
+            if mine["data"].get("epoch") is not None:  # none in a checkpoint imported from a .ckpt
+                self._quiet = _lightning.silence_not_resumable()  # this callback resumes the data position
             taken = mine["data"].get("taken_at", resumed.manifest.created_at)  # the snapshot's wall time, not the commit's
             _resume.name_newer_files(self._trainer, resumed.step, taken)
         return checkpoint
