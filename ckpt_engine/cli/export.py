@@ -42,7 +42,7 @@ from .common import OK, Parents, open_newest, open_storage, print_json, storage_
 from .table import human
 from .tree import flatten, iter_leaves
 
-FORMATS = ("torch", "safetensors")
+FORMATS = ("torch", "safetensors", "hf")
 
 
 @dataclass(frozen=True)
@@ -169,6 +169,8 @@ def export(storage: Storage, ck: Opened, out: str, *, fmt: str = "torch", flat: 
     """
     if fmt not in FORMATS:
         raise CheckpointError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if fmt == "hf":
+        raise CheckpointError("format hf writes a folder under a key prefix: call ckpt_engine.interop.hf.export_hf")
     m = ck.manifest
     if local_rank is not None and not 0 <= local_rank < m.world_size:
         raise CheckpointError(f"--local-rank {local_rank}: the checkpoint of step {m.step} has ranks "
@@ -205,6 +207,9 @@ def export(storage: Storage, ck: Opened, out: str, *, fmt: str = "torch", flat: 
 def cmd_export(args: argparse.Namespace) -> int:
     """Write one checkpoint as a plain ``torch.save`` or safetensors file; print what was written."""
     fmt = args.format or ("safetensors" if args.out.endswith(".safetensors") else "torch")
+    if fmt == "hf":
+        from ..interop.hf import cmd_hf  # imported here: interop.hf imports this package's modules
+        return cmd_hf(args)
     storage = open_storage(args)
     opened = open_newest(storage, args.step)
     local_rank = args.local_rank if args.local_rank is not None else (0 if args.include_local else None)
@@ -231,4 +236,8 @@ def add_parser(sub: Any, parents: Parents) -> None:
     p.add_argument("--local-rank", type=int, help="add this writer rank's local values")
     p.add_argument("--out-option", action="append", default=[], metavar="KEY=VALUE",
                    help="fsspec storage option for OUT (repeatable)")
+    p.add_argument("--prefix", help="hf: key prefix of the model's weights in the state, stripped (e.g. model.)")
+    p.add_argument("--max-shard-size", metavar="SIZE",
+                   help="hf: largest safetensors shard (default 5GB; e.g. 500MB, 2GiB)")
+    p.add_argument("--config", metavar="CONFIG_JSON", help="hf: model config file copied in as config.json")
     p.set_defaults(fn=cmd_export)
