@@ -7,8 +7,9 @@ model.state_dict(), "optim": ...}``; the prefix is stripped) are written as tran
 * one ``model.safetensors`` when they fit ``max_shard_size`` (default ``5GB``, decimal units as
   transformers counts them; ``KiB``/``MiB``/``GiB`` binary), else ``model-00001-of-0000N.safetensors``
   files cut greedily in the state's order (a tensor larger than a shard gets a shard of its own)
-  and ``model.safetensors.index.json``: ``{"metadata": {"total_size": bytes}, "weight_map":
-  {key: file}}``, keys sorted, as transformers writes it;
+  and ``model.safetensors.index.json``: ``{"metadata": {"total_parameters": n, "total_size":
+  bytes}, "weight_map": {key: file}}``, keys sorted, as transformers writes it (for a GPT-2 the
+  files are byte for byte ``save_pretrained``'s with transformers 5.24.0: tests/test_interop_hf.py);
 * every file's header carries ``{"format": "pt"}`` (transformers refuses a file without it);
 * tied tensors (one tensor of the checkpoint under several keys, such as GPT-2's
   ``lm_head.weight`` and ``transformer.wte.weight``) are written once, under the key that comes
