@@ -1,4 +1,4 @@
-"""Command line ``ckpt`` (same as ``python -m ckpt_engine``): ls, verify, inspect, diff, export, gc.
+"""Command line ``ckpt`` (same as ``python -m ckpt_engine``): ls, verify, inspect, diff, export, import, gc.
 
 Every command takes a checkpoint root (a local path or an fsspec URL such as ``s3://bucket/run``)
 and ``--storage-option key=value``. Exit codes: 0 success, 1 a verification failure or (``diff``)
@@ -18,10 +18,10 @@ from typing import Sequence
 
 from .. import __version__
 from ..errors import CheckpointError, CorruptionError, FormatError, NoCheckpointError, StorageError
-from . import diff, export, gc, inspect, ls, verify
+from . import diff, export, gc, import_, inspect, ls, verify
 from .common import DIFFERENT, ERROR, Parents, UsageError
 
-COMMANDS = (ls, verify, inspect, diff, export, gc)
+COMMANDS = (ls, verify, inspect, diff, export, import_, gc)
 """The command modules, in the order ``ckpt --help`` lists them; each has ``add_parser(sub, parents)``."""
 
 

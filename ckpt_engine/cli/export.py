@@ -42,7 +42,7 @@ from .common import OK, Parents, open_newest, open_storage, print_json, storage_
 from .table import human
 from .tree import flatten, iter_leaves
 
-FORMATS = ("torch", "safetensors", "hf")
+FORMATS = ("torch", "safetensors", "hf", "dcp")
 
 
 @dataclass(frozen=True)
@@ -171,6 +171,11 @@ def export(storage: Storage, ck: Opened, out: str, *, fmt: str = "torch", flat: 
         raise CheckpointError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if fmt == "hf":
         raise CheckpointError("format hf writes a folder under a key prefix: call ckpt_engine.interop.hf.export_hf")
+    if fmt == "dcp":  # a directory, written tensor by tensor (interop/dcp.py; DCP imported only for it)
+        from ..interop.dcp import write_dcp
+
+        d = write_dcp(storage, ck, out, out_options=out_options, threads=threads, progress=progress)
+        return ExportResult(d.out, fmt, d.step, d.tensors, d.tensor_bytes, d.values, d.file_bytes)
     m = ck.manifest
     if local_rank is not None and not 0 <= local_rank < m.world_size:
         raise CheckpointError(f"--local-rank {local_rank}: the checkpoint of step {m.step} has ranks "
