@@ -6,6 +6,7 @@ model; the safetensors files read with the safetensors package."""
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import json
 import subprocess
@@ -16,7 +17,7 @@ import torch
 
 from ckpt_engine import Checkpointer
 from ckpt_engine.cli import main
-from ckpt_engine.errors import CheckpointError
+from ckpt_engine.errors import CheckpointError, CorruptionError
 from ckpt_engine.format.catalog import manifest_dirs
 from ckpt_engine.interop.hf import INDEX, WEIGHTS, Weight, export_hf, parse_size, shard, shard_names
 from ckpt_engine.load.open import open_checkpoint
@@ -175,6 +176,37 @@ def test_memory_is_the_largest_tensor_not_the_state(tmp_path):
     # measured 2026-11-28: 34 MiB for 32 MiB tensors (4 x 128 MiB: 130 MiB; 64 x 8 MiB: 10 MiB)
     assert growth <= largest + (16 << 20), f"peak RSS grew {growth >> 20} MiB exporting 8 tensors of 32 MiB"
     assert len(json.loads((tmp_path / "hf" / INDEX).read_text())["weight_map"]) == 8
+
+
+@needs_safetensors
+def test_to_an_fsspec_url_and_a_corrupt_checkpoint_writes_nothing(tmp_path):
+    import fsspec
+    from safetensors.torch import load
+
+    state = {"model": {f"w{i}": torch.randn(1000) for i in range(5)}}
+    with Checkpointer(str(tmp_path / "ck")) as ck:
+        ck.save(state, 1)
+    st, opened = _opened(str(tmp_path / "ck"))
+    fs = fsspec.filesystem("memory")
+    url = f"memory://hf-{tmp_path.name}"
+    sharded = export_hf(st, opened, url, prefix="model", max_shard_size="10KB")
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(url, detail=False)) == sorted(sharded.files)
+    export_hf(st, opened, url, prefix="model")  # the earlier shards and index go
+    assert [p.rsplit("/", 1)[1] for p in fs.ls(url, detail=False)] == [WEIGHTS]
+    back = load(fs.cat(f"{url}/{WEIGHTS}"))
+    assert all(torch.equal(bits(back[k]), bits(t)) for k, t in state["model"].items())
+    fs.rm(url, recursive=True)
+
+    (data,) = glob.glob(str(tmp_path / "ck" / "*" / "rank-00000.bin"))
+    raw = bytearray(open(data, "rb").read())
+    raw[100] ^= 1
+    open(data, "wb").write(raw)
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / WEIGHTS).write_bytes(b"an earlier export")
+    with pytest.raises(CorruptionError, match="checksum mismatch in tensor 'state\\['model'\\]\\['w0'\\]'"):
+        export_hf(st, opened, str(out), prefix="model", max_shard_size="10KB")
+    assert [p.name for p in out.iterdir()] == [WEIGHTS] and (out / WEIGHTS).read_bytes() == b"an earlier export"
 
 
 def test_errors_name_what_is_wrong(tmp_path, capsys):
