@@ -1,6 +1,9 @@
-"""``ckpt export``: a checkpoint as one ordinary file that loads without ckpt-suite.
+"""``ckpt export``: a checkpoint in a format other tools read without ckpt-suite.
 
-Two formats:
+Five formats: ``torch`` and ``safetensors`` here (one file), ``lightning`` (a Lightning ``.ckpt``:
+:mod:`ckpt_engine.interop.lightning`), ``hf`` (a ``save_pretrained`` folder: :mod:`ckpt_engine.interop.hf`)
+and ``dcp`` (a ``torch.distributed.checkpoint`` directory: :mod:`ckpt_engine.interop.dcp`), the last two
+streamed tensor by tensor:
 
 * ``torch``: ``torch.save`` of the replicated state as saved (nested dicts, lists, tuples,
   tensors, plain values; tied tensors stay one tensor), or with ``flat=True`` a flat
@@ -34,6 +37,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError, StorageError
+from ..interop.lightning import to_lightning
 from ..load.open import Opened, check_room
 from ..load.read import read_local, read_state
 from ..progress import Bar
@@ -42,7 +46,7 @@ from .common import OK, Parents, open_newest, open_storage, print_json, storage_
 from .table import human
 from .tree import flatten, iter_leaves
 
-FORMATS = ("torch", "safetensors", "hf", "dcp")
+FORMATS = ("torch", "safetensors", "hf", "lightning", "dcp")
 
 
 @dataclass(frozen=True)
@@ -177,6 +181,8 @@ def export(storage: Storage, ck: Opened, out: str, *, fmt: str = "torch", flat: 
         d = write_dcp(storage, ck, out, out_options=out_options, threads=threads, progress=progress)
         return ExportResult(d.out, fmt, d.step, d.tensors, d.tensor_bytes, d.values, d.file_bytes)
     m = ck.manifest
+    if fmt == "lightning" and local_rank is None:
+        local_rank = 0  # Lightning's dictionary (loops, callbacks...) and buffers: writer 0's (interop/lightning)
     if local_rank is not None and not 0 <= local_rank < m.world_size:
         raise CheckpointError(f"--local-rank {local_rank}: the checkpoint of step {m.step} has ranks "
                               f"0..{m.world_size - 1}")
@@ -187,7 +193,10 @@ def export(storage: Storage, ck: Opened, out: str, *, fmt: str = "torch", flat: 
     with Bar(total, "export", progress) as bar:
         state = read_state(storage, ck, threads, bar.update)
         local = read_local(storage, ck, local_rank, bar.update) if local_rank is not None else None
-    obj = build(state, local, flat or save_safetensors is not None)
+    if fmt == "lightning":
+        obj = to_lightning(plain(state), plain(local), m.step)  # type: ignore[arg-type]
+    else:
+        obj = build(state, local, flat or save_safetensors is not None)
     leaves = list(iter_leaves(obj))
     tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
     if save_safetensors is not None:
@@ -232,8 +241,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 def add_parser(sub: Any, parents: Parents) -> None:
     """Register ``ckpt export`` on the sub-parsers ``sub``."""
     p = sub.add_parser("export", parents=[parents.path, parents.step, parents.common, parents.json],
-                       help="write a plain torch.save or safetensors file (loads without ckpt-suite)")
-    p.add_argument("out", help="output file (local path or fsspec URL)")
+                       help="write a torch.save, safetensors, Lightning .ckpt, Hugging Face or DCP checkpoint")
+    p.add_argument("out", help="output file, or folder for hf and dcp (local path or fsspec URL)")
     p.add_argument("--format", choices=FORMATS, help="default: safetensors if OUT ends in .safetensors, else torch")
     p.add_argument("--flat", action="store_true",
                    help="torch format: a flat {'a.b.c': value} dict instead of the nested state")
