@@ -9,10 +9,11 @@ from .comm import Comm, LocalComm, TorchDistComm
 from .errors import (CheckpointError, CheckpointWarning, CommitTimeoutError, CorruptionError, DiskFullError,
                      FormatError, InsufficientMemoryError, MismatchError, NoCheckpointError, StorageError,
                      UnsupportedValueError)
+from .interop import export
 from .save.tally import SaveRecord
 
 __all__ = [
-    "Checkpointer", "SaveHandle", "SaveRecord", "Comm", "LocalComm", "TorchDistComm",
+    "Checkpointer", "SaveHandle", "SaveRecord", "export", "Comm", "LocalComm", "TorchDistComm",
     "CheckpointError", "CheckpointWarning", "CommitTimeoutError", "CorruptionError", "FormatError", "NoCheckpointError",
     "StorageError", "DiskFullError", "UnsupportedValueError", "MismatchError", "InsufficientMemoryError",
 ]

@@ -132,3 +132,29 @@ def test_parse_duration_and_short_repr():
     assert short_repr(list(range(100)), 20) == "[0, 1, 2, 3, 4, 5..."
     assert short_repr({"b": 1, "a": 2}) == "{'b': 1, 'a': 2}"  # insertion order kept
     assert len(short_repr(b"x" * 10_000, 30)) <= 30
+
+
+def test_ckpt_engine_export_writes_every_format_from_python(tmp_path):
+    """``ckpt_engine.export`` is ``ckpt export`` from Python: the torch file loads with torch alone, the
+    hf folder holds the tensors under the prefix, stripped, and a bad format or prefix is a ValueError."""
+    import safetensors.torch
+
+    import ckpt_engine
+
+    root = str(tmp_path / "ck")
+    state = {"model": {"w": torch.arange(6.0).view(2, 3), "b": torch.ones(3)}, "step": 7}
+    with Checkpointer(root) as ck:
+        ck.save(state, 7)
+    torch_file = str(tmp_path / "out.pt")
+    assert ckpt_engine.export(root, torch_file).step == 7
+    got = torch.load(torch_file, weights_only=True)
+    assert torch.equal(got["model"]["w"], state["model"]["w"]) and got["step"] == 7
+    ckpt_engine.export(root, str(tmp_path / "hf"), format="hf", prefix="model.")
+    weights = safetensors.torch.load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert sorted(weights) == ["b", "w"] and torch.equal(weights["w"], state["model"]["w"])
+    assert not (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    with pytest.raises(ValueError, match="format must be one of"):
+        ckpt_engine.export(root, str(tmp_path / "x"), format="onnx")
+    with pytest.raises(ValueError, match="required there"):
+        ckpt_engine.export(root, str(tmp_path / "x"), format="hf")
+    assert "export" in ckpt_engine.__all__
