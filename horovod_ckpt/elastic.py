@@ -175,7 +175,7 @@ class DurableTorchState(TorchState):
 
 def _close_quietly(session: TrainingSession) -> None:
     try:
-        session.close(release_memory=False)  # a memory level's node directory is the next session's too
+        session.close(release_memory=False)  # a memory level's node directory serves the restarted job too
     except Exception as e:  # noqa: BLE001 - a retired checkpointer's failure only loses its own save
         warnings.warn(f"horovod_ckpt: a checkpoint of the previous set of workers did not commit: {e}",
                       stacklevel=1)
