@@ -1,15 +1,22 @@
-"""Measurement primitives shared by the benchmarks: timing, host memory, the synthetic state, raw I/O.
+"""The benchmarks' harness: timing, host memory, the synthetic state, raw I/O, ranks in processes, the
+peers' rounds, the quiet-machine checks and the writing of a report (``out/<name>.{md,json}``).
 
-Nothing here imports ``ckpt_engine``: the physical limits must not depend on the code they judge.
+The physical limits here do not depend on the code they judge (``ckpt_engine`` is imported only for
+its huge-page allocator and its encoder).
 """
 
 from __future__ import annotations
 
 import ctypes
 import fcntl
+import gc
+import json
+import mmap
 import os
 import random
+import resource
 import shutil
+import socket
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,18 +25,20 @@ from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import xxhash
 
 T = TypeVar("T")
 Metrics = dict[str, float]
 MiB = 1 << 20
-GB = 1e9
+HERE = os.path.dirname(os.path.abspath(__file__))
+_LIBC = ctypes.CDLL(None)
 
 
-# ---- one rank's view -----------------------------------------------------------------------------
 @dataclass
 class RankCtx:
-    """What a contender needs to know about its rank."""
+    """What a contender needs to know about its rank. ``cold``: this round starts with the allocator's free
+    memory handed back (exact RSS figures, first-touch faults paid) rather than with a warm heap."""
 
     rank: int
     world: int
@@ -38,8 +47,6 @@ class RankCtx:
     reps: int
     peer_reps: int
     cold: bool = True
-    """Whether this round starts with the allocator's free memory handed back (exact RSS
-    figures, first-touch page faults paid) or with a warm heap (steady-state timings)."""
 
     def barrier(self) -> None:
         """Line all ranks up so that they start a measurement together."""
@@ -47,14 +54,14 @@ class RankCtx:
             dist.barrier()
 
     def before_load(self) -> None:
-        """Give free heap back first, so no restore reuses memory an earlier one left behind; then
-        touch and free the restore's bytes (:func:`prime_free_memory`), so that every contender's
-        fresh pages come the same way."""
+        """Give free heap back, then touch and free the restore's bytes (:func:`prime_free_memory`), so
+        that every contender's fresh pages come the same way."""
         trim_heap()
         prime_free_memory(state_bytes(self.state))
         self.barrier()
 
     def path(self, name: str) -> str:
+        """``name`` in this rank's working directory."""
         return os.path.join(self.workdir, name)
 
     def remove(self, prefix: str) -> None:
@@ -68,7 +75,7 @@ class RankCtx:
         self.barrier()
 
 
-# ---- timing ---------------------------------------------------------------------------------------
+# ---- timing and figures ------------------------------------------------------------------------------
 def timed(fn: Callable[[], T]) -> tuple[float, T]:
     """Run ``fn`` once; return (seconds on the monotonic high-resolution clock, its result)."""
     start = time.perf_counter()
@@ -77,10 +84,9 @@ def timed(fn: Callable[[], T]) -> tuple[float, T]:
 
 
 def timed_save(ck: Any, state: Any, step: int, **kwargs: Any) -> tuple[float, float, Any]:
-    """One save of ours as every benchmark times it: (stall, seconds until committed with the stall,
-    what ``save()`` returned). Then, untimed, it waits for the deletion of older checkpoints
-    (``keep_last``): that runs on its own thread after the commit, and left running it would slow
-    whatever is timed next (a physical limit, a peer, the next save) and flatter ours beside it."""
+    """One save of ours as every benchmark times it: (stall, seconds until committed, what ``save()``
+    returned); then, untimed, the wait for the deletion of older checkpoints (``keep_last``), which left
+    running would slow whatever is timed next and flatter ours beside it."""
     start = time.perf_counter()
     handle = ck.save(state, step, **kwargs)
     stall = time.perf_counter() - start
@@ -100,9 +106,13 @@ def best_of(reps: int, fn: Callable[[], Any], before: Callable[[], None] | None 
     return min(times)
 
 
-def summary(values: Sequence[float]) -> dict[str, float]:
-    """min / median / max of a non-empty sequence."""
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+def steady_figures(saves: list[Metrics], keys: Iterable[str]) -> Metrics:
+    """Per key, the best (``<key>``) and the median (``<key>`` with ``_median_s``) over saves 2..N."""
+    steady, out = saves[1:] or saves, {}
+    for key in keys:
+        values = [s[key] for s in steady]
+        out[key], out[key.replace("_s", "_median_s")] = min(values), statistics.median(values)
+    return out
 
 
 def numbered(values: Sequence[float]) -> Metrics:
@@ -117,21 +127,38 @@ def num(x: Any) -> str:
     return f"{x:.0f}" if abs(x) >= 1000 else f"{x:.3g}"
 
 
-def free_port() -> int:
-    """A free TCP port on the loopback interface (for a process group's rendezvous)."""
-    import socket
+def fmt(x: Any, spec: str = "{:.1f}") -> str:
+    """``x`` formatted by ``spec``; ``-`` for none or NaN."""
+    return "-" if x is None or x != x else spec.format(x)
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+def pct(x: float) -> str:
+    """A fraction as a signed percentage (``+3.5 %``); ``-`` for NaN."""
+    return fmt(x * 100, "{:+.1f} %")
+
+
+def verdict(ok: bool | None) -> str:
+    """PASS, FAIL, or info for a figure without a target."""
+    return "info" if ok is None else "PASS" if ok else "FAIL"
 
 
 def gbps(nbytes: int, seconds: float) -> float:
     """Throughput in GB/s (10^9 bytes per second); 0 for a zero time."""
-    return nbytes / seconds / GB if seconds > 0 else 0.0
+    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
 
 
-# ---- host memory ----------------------------------------------------------------------------------
+def write_report(out: str, name: str, text: str, doc: dict[str, Any]) -> str:
+    """Write ``out/<name>.md`` (``text``) and ``out/<name>.json`` (``doc``); print and return ``text``."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+    print(text)
+    return text
+
+
+# ---- host memory -------------------------------------------------------------------------------------
 def _status_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -146,25 +173,16 @@ def rss_bytes() -> int:
 
 
 class MemProbe:
-    """Peak RSS growth of this process (all threads) over a stretch of code.
-
-    ``start()`` hands the allocator's free memory back to the kernel (glibc ``malloc_trim``:
-    otherwise memory freed by an earlier contender is reused without growing RSS and hides
-    the allocation), resets the kernel's high-water mark (``echo 5 > /proc/self/clear_refs``,
-    Linux >= 4.0) and notes the RSS; ``peak_extra()`` is ``VmHWM - that RSS``. Where the reset
-    is not permitted the old high-water mark may hide the peak; ``exact`` says which case holds.
-    Page cache is not RSS, so written or read files do not count.
-    """
+    """Peak RSS growth of this process over a stretch of code: ``start()`` hands free heap back
+    (``malloc_trim``, else reused memory hides the allocation), resets the kernel's high-water mark
+    (``/proc/self/clear_refs``; ``exact`` is False where that is refused) and notes the RSS;
+    ``peak_extra()`` is ``VmHWM`` minus that. Page cache is not RSS."""
 
     def __init__(self) -> None:
-        self.baseline = 0
-        self.exact = True
+        self.baseline, self.exact = 0, True
 
     def start(self, keep_baseline: bool = False, trim: bool = True) -> "MemProbe":
-        """Reset the peak; measure growth from the RSS now (or, with ``keep_baseline``, from the
-        previous ``start()``'s, so that memory kept across calls still counts). ``trim=False``
-        leaves the allocator's free memory in place: a steady-state timing, an RSS figure that
-        may miss reused memory."""
+        """Reset the peak; measure from the RSS now (``keep_baseline``: from the previous start's)."""
         if trim:
             trim_heap()
         try:
@@ -188,22 +206,11 @@ def trim_heap() -> None:
         trim(0)
 
 
-_LIBC = ctypes.CDLL(None)
-
-
 def prime_free_memory(nbytes: int) -> None:
-    """Touch ``nbytes`` (and 64 MiB more) of fresh memory and free it, so that the allocations
-    right after get pages the kernel has just freed.
-
-    Why: this project's VMs (Firecracker) report free memory to their host (virtio-balloon free page
-    reporting, ``/sys/module/page_reporting``), which takes it back, and the next first touch of such a
-    page faults on the host as well. 1 GiB of fresh huge pages took 0.9-1.6 s to fill after 5 s idle,
-    0.16-0.20 s right after this priming, and 0.18 s right after another 1 GiB was freed (4 KiB pages:
-    0.66-0.85 s primed, up to 1.29 s not). Which restore of a pair found which kind of page decided the
-    paired restore figures of the runs of 2026-11-26 (both sides bimodal). Primed before each restore, every
-    contender finds recycled pages, as on a machine whose free memory is simply free. Huge pages where
-    the kernel gives them (they split for 4 KiB allocations); the fill is timed by nobody.
-    """
+    """Touch ``nbytes`` (and 64 MiB more) of fresh memory and free it, so that the allocations right
+    after get pages the kernel has just freed. This VM reports free memory to its host (virtio-balloon
+    free page reporting), and a first touch of such a page faults on the host too: 1 GiB of fresh huge
+    pages took 0.9-1.6 s to fill after 5 s idle, 0.16-0.20 s right after this priming."""
     from ckpt_engine.host import hugepages
 
     block = hugepages.empty((nbytes + 64 * MiB,), torch.uint8)
@@ -211,7 +218,7 @@ def prime_free_memory(nbytes: int) -> None:
     del block
 
 
-# ---- the synthetic training state -----------------------------------------------------------------
+# ---- the synthetic training state --------------------------------------------------------------------
 @dataclass(frozen=True)
 class StateSpec:
     """Shape of the benchmark state: ``large`` big float32 tensors plus ``small`` 1-64 KiB ones."""
@@ -228,8 +235,7 @@ class StateSpec:
 
     def large_numel(self) -> int:
         """Elements of each large tensor, so that the whole state is ``size_mib`` MiB."""
-        rest = self.size_mib * MiB - 4 * sum(self.small_numels())
-        return max(1024, rest // (4 * self.large))
+        return max(1024, (self.size_mib * MiB - 4 * sum(self.small_numels())) // (4 * self.large))
 
 
 def make_state(spec: StateSpec) -> dict[str, Any]:
@@ -245,14 +251,16 @@ def make_state(spec: StateSpec) -> dict[str, Any]:
     return {"model": model, "meta": {"epoch": 3, "global_step": 12345, "lr": 1e-3}}
 
 
-def tensors_of(state: Any) -> list[torch.Tensor]:
-    """Every tensor of a nested dict/list state, in a stable order."""
+def tensors_of(state: Any, local: bool = False) -> list[torch.Tensor]:
+    """Every tensor of a nested dict/list state, in a stable order (``local``: a DTensor's local chunk)."""
+    if local and type(state).__name__ == "DTensor":
+        return [state.to_local()]
     if isinstance(state, torch.Tensor):
         return [state]
     if isinstance(state, dict):
-        return [t for v in state.values() for t in tensors_of(v)]
+        return [t for v in state.values() for t in tensors_of(v, local)]
     if isinstance(state, (list, tuple)):
-        return [t for v in state for t in tensors_of(v)]
+        return [t for v in state for t in tensors_of(v, local)]
     return []
 
 
@@ -262,8 +270,7 @@ def state_bytes(state: Any) -> int:
 
 
 def saved_bytes(state: Any) -> int:
-    """Tensor bytes a checkpoint of ``state`` stores: the tensors of the engine's own ``encode()``,
-    which stores tensors sharing data once (a tied embedding once)."""
+    """Tensor bytes a checkpoint of ``state`` stores (the engine's ``encode()`` stores shared data once)."""
     from ckpt_engine.state.values import encode
 
     return sum(t.numel() * t.element_size() for t in encode(state).tensors)
@@ -284,7 +291,7 @@ def states_equal(a: Any, b: Any) -> bool:
     return len(ta) == len(tb) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(ta, tb))
 
 
-# ---- a rank's share and raw I/O -------------------------------------------------------------------
+# ---- a rank's share and raw I/O ----------------------------------------------------------------------
 def share_slices(state: Any, rank: int, world: int) -> list[tuple[int, int]]:
     """(address, nbytes) of this rank's contiguous 1/world of every tensor (DeepFreeze-style)."""
     out = []
@@ -297,19 +304,14 @@ def share_slices(state: Any, rank: int, world: int) -> list[tuple[int, int]]:
 
 
 def write_fsync(path: str, views: Iterable[memoryview], direct: bool = False) -> int:
-    """Write ``views`` to a new file with ``os.write`` and ``fsync`` it; returns the bytes written.
-
-    ``direct``: the page cache bypassed (``O_DIRECT``) for the 4 KiB-aligned head of each view,
-    which must start page-aligned (see :func:`aligned_copy`); the tail goes through the cache.
-    """
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
-    fd = os.open(path, flags, 0o644)
+    """Write ``views`` to a new file and ``fsync`` it; returns the bytes written. ``direct``: ``O_DIRECT``
+    for the 4 KiB-aligned head of each view (which must start page-aligned), the tail through the cache."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o644)
     done = 0
     try:
         for view in views:
             view = view.cast("B")
-            head = len(view) - len(view) % 4096 if direct else 0
-            pos = 0
+            head, pos = (len(view) - len(view) % 4096 if direct else 0), 0
             while pos < head:
                 pos += os.write(fd, view[pos:min(head, pos + (64 << 20))])
             if direct and pos < len(view):
@@ -325,78 +327,82 @@ def write_fsync(path: str, views: Iterable[memoryview], direct: bool = False) ->
 
 def aligned_copy(data: memoryview) -> memoryview:
     """A page-aligned (``mmap``) copy of ``data``, as direct I/O needs."""
-    import mmap
-
-    buf = mmap.mmap(-1, max(1, len(data)))
-    view = memoryview(buf)[:len(data)]
+    view = memoryview(mmap.mmap(-1, max(1, len(data))))[:len(data)]
     view[:] = data.cast("B")
     return view
 
 
+class RawWriter:
+    """``write`` + ``fsync`` of ``data`` to a new file per call, the oldest beyond ``keep`` deleted after
+    the write as ours deletes after its commit: on this VM a write that follows the deletion of a file of
+    its size runs ~5x faster than one needing fresh pages, so both keep the same number of files."""
+
+    def __init__(self, ctx: RankCtx, data: memoryview, direct: bool = False, keep: int = 1) -> None:
+        self.ctx, self.files, self.direct, self.keep = ctx, [], direct, keep
+        self.data = aligned_copy(data) if direct else data
+        self.tag = "rawd" if direct else "raw"
+
+    def write(self) -> float:
+        """Seconds to write and ``fsync`` one file."""
+        path = self.ctx.path(f"{self.tag}-{self.ctx.rank}-{len(self.files)}.bin")
+        seconds = timed(lambda: write_fsync(path, [self.data], self.direct))[0]
+        self.files.append(path)
+        if len(self.files) > self.keep:
+            os.unlink(self.files[-self.keep - 1])
+        return seconds
+
+    def finish(self) -> None:
+        """Leave only the newest buffered file, as ``raw-<rank>.bin`` for the raw read."""
+        for path in self.files[-self.keep:-1]:
+            os.unlink(path)
+        if self.direct:
+            os.unlink(self.files[-1])
+        else:
+            os.replace(self.files[-1], self.ctx.path(f"raw-{self.ctx.rank}.bin"))
+
+
 def read_into(paths: Sequence[str], dest: memoryview, threads: int = 1, verify_step: int | None = None) -> int:
-    """Read ``paths`` back to back into ``dest`` with ``preadv``; returns the bytes read. With
-    ``threads`` > 1 the concatenated bytes are split at equal shares, each thread reading its own
-    ranges into its own pages of ``dest``: the fastest plain read this machine does, page faults
-    spread over the cores as a threaded restore spreads them.
-
-    ``verify_step``: read in requests of that many bytes and hash each with xxh3 right after it
-    lands (one digest per thread and file), as ``load()`` verifies while reading
-    (``LocalReader.verify_step``): the floor of a verified read, with no planning, no per-tensor
-    allocation and no Python beyond the loop."""
+    """Read ``paths`` back to back into ``dest`` with ``preadv``, split at equal shares over ``threads``;
+    returns the bytes read. ``verify_step``: requests of that many bytes, each hashed with xxh3 as it lands,
+    as ``load()`` verifies (the floor of a verified read)."""
     sizes = [os.path.getsize(p) for p in paths]
-    total = sum(sizes)
+    bounds = [sum(sizes) * i // max(1, threads) for i in range(max(1, threads) + 1)]
+
+    def read_range(i: int) -> int:
+        lo, hi, got, start = bounds[i], bounds[i + 1], 0, 0
+        for path, size in zip(paths, sizes):
+            a, b = max(lo, start), min(hi, start + size)
+            if a < b:
+                fd, digest = os.open(path, os.O_RDONLY), xxhash.xxh3_64() if verify_step else None
+                try:
+                    while a < b:
+                        n = os.preadv(fd, [dest[a:b if digest is None else min(b, a + verify_step)]], a - start)
+                        if n == 0:
+                            raise OSError(f"{path}: ended at byte {a - start} of {size}")
+                        if digest is not None:
+                            digest.update(dest[a:a + n])
+                        a, got = a + n, got + n
+                finally:
+                    os.close(fd)
+                if digest is not None:
+                    digest.hexdigest()  # as a reader compares it
+            start += size
+        return got
+
     if threads <= 1:
-        return _read_range(paths, sizes, dest, 0, total, verify_step)
-    bounds = [total * i // threads for i in range(threads + 1)]
+        return read_range(0)
     with ThreadPoolExecutor(threads) as pool:
-        return sum(pool.map(lambda i: _read_range(paths, sizes, dest, bounds[i], bounds[i + 1], verify_step),
-                            range(threads)))
+        return sum(pool.map(read_range, range(threads)))
 
 
-def _read_range(paths: Sequence[str], sizes: Sequence[int], dest: memoryview, lo: int, hi: int,
-                verify_step: int | None = None) -> int:
-    """Bytes ``lo:hi`` of the concatenated ``paths`` into the same bytes of ``dest`` (each request
-    of at most ``verify_step`` bytes hashed after it lands, when given)."""
-    got, start = 0, 0
-    for path, size in zip(paths, sizes):
-        a, b = max(lo, start), min(hi, start + size)
-        if a < b:
-            fd = os.open(path, os.O_RDONLY)
-            digest = xxhash.xxh3_64() if verify_step else None
-            try:
-                while a < b:
-                    stop = b if digest is None else min(b, a + verify_step)
-                    n = os.preadv(fd, [dest[a:stop]], a - start)
-                    if n == 0:
-                        raise OSError(f"{path}: ended at byte {a - start} of {size}")
-                    if digest is not None:
-                        digest.update(dest[a:a + n])
-                    a, got = a + n, got + n
-            finally:
-                os.close(fd)
-            if digest is not None:
-                digest.hexdigest()  # as a reader compares it (the comparison itself costs nothing)
-        start += size
-    return got
-
-
-def set_page_cache(ctx: "RankCtx", paths: Sequence[str], cold: bool) -> None:
-    """Every file under ``paths`` out of the page cache (``cold``: ``fsync``, then
-    ``posix_fadvise(DONTNEED)``, which drops clean pages without root, unlike ``drop_caches``) or
-    in it (read through once); done by rank 0 for the node, then a barrier."""
-    ctx.barrier()
-    if ctx.rank == 0 and cold:
-        drop_page_cache(paths)
-    elif ctx.rank == 0:
-        chunk = memoryview(bytearray(16 << 20))
-        for path in _files(paths):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                while os.readv(fd, [chunk]):
-                    pass
-            finally:
-                os.close(fd)
-    ctx.barrier()
+def _files(paths: Sequence[str]) -> list[str]:
+    out = []
+    for path in paths:
+        if os.path.isdir(path):
+            out += [os.path.join(d, f) for d, _, names in os.walk(path) for f in names]
+        elif os.path.exists(path):
+            out.append(path)
+    return out
 
 
 def drop_page_cache(paths: Sequence[str]) -> None:
@@ -411,14 +417,22 @@ def drop_page_cache(paths: Sequence[str]) -> None:
             os.close(fd)
 
 
-def _files(paths: Sequence[str]) -> list[str]:
-    out = []
-    for path in paths:
-        if os.path.isdir(path):
-            out += [os.path.join(d, f) for d, _, names in os.walk(path) for f in names]
-        elif os.path.exists(path):
-            out.append(path)
-    return out
+def set_page_cache(ctx: RankCtx, paths: Sequence[str], cold: bool) -> None:
+    """Every file under ``paths`` out of the page cache (``cold``) or in it (read through once); done by
+    rank 0 for the node, between barriers."""
+    ctx.barrier()
+    if ctx.rank == 0 and cold:
+        drop_page_cache(paths)
+    elif ctx.rank == 0:
+        chunk = memoryview(bytearray(16 << 20))
+        for path in _files(paths):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                while os.readv(fd, [chunk]):
+                    pass
+            finally:
+                os.close(fd)
+    ctx.barrier()
 
 
 def fsync_path(path: str) -> None:
@@ -435,22 +449,74 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-# ---- a quiet machine --------------------------------------------------------------------------------
-class CpuLoad:
-    """Busy CPU time of the whole machine (``/proc/stat``) minus this process's and its reaped
-    children's, over a stretch of wall time: how many cores other processes used meanwhile."""
-
-    def __init__(self) -> None:
-        self.wall, self.busy, self.own = time.perf_counter(), _busy_s(), _own_cpu_s()
-
-    def foreign_cores(self) -> float:
-        """Cores other processes kept busy, on average, since this object was made."""
-        wall = time.perf_counter() - self.wall
-        if wall <= 0:
-            return float("nan")
-        return max(0.0, (_busy_s() - self.busy) - (_own_cpu_s() - self.own)) / wall
+# ---- ranks in processes, the peers' rounds -----------------------------------------------------------
+def free_port() -> int:
+    """A free TCP port on the loopback interface (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
+def spawn_ranks(main: Any, world: int, cfg: Any) -> list[dict]:
+    """Run ``main(rank, world, cfg, workdir, port)`` in ``world`` processes; each rank's ``rank-N.json``."""
+    workdir = os.path.join(cfg.dir, f"world{world}")
+    os.makedirs(workdir, exist_ok=True)
+    mp.spawn(main, args=(world, cfg, workdir, free_port()), nprocs=world, join=True)
+    ranks = []
+    for r in range(world):
+        with open(os.path.join(workdir, f"rank-{r}.json")) as f:
+            ranks.append(json.load(f))
+    return ranks
+
+
+def run_stages(ctx: RankCtx, stages: Iterable[Callable[[], dict[str, Metrics]]], path: str, **extra: Any) -> None:
+    """Run each stage in turn (each figure with its stage's ``stage_s``) and write them to ``path``."""
+    results: dict[str, Any] = {}
+    for stage in stages:
+        elapsed, produced = timed(stage)
+        results.update({name: {**metrics, "stage_s": elapsed} for name, metrics in produced.items()})
+        gc.collect()
+    with open(path, "w") as f:
+        json.dump({**results, **extra}, f)
+    if ctx.world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def slowest(ranks: list[dict[str, Metrics]]) -> dict[str, Metrics]:
+    """Per contender and figure, the largest value any rank reported, the smallest for ``load_ok``."""
+    merged: dict[str, Metrics] = {}
+    for name in ranks[0]:
+        merged[name] = {}
+        for r in ranks:
+            for key, value in r.get(name, {}).items():
+                merged[name][key] = (min if key == "load_ok" else max)(merged[name].get(key, value), value)
+    return merged
+
+
+def best_rounds(rounds: Iterable[Metrics]) -> Metrics:
+    """Per figure over rounds: the fastest time, the largest memory (``mem_``), the worst bit-exactness."""
+    out: Metrics = {}
+    for m in rounds:
+        for key, value in m.items():
+            out[key] = (max if "mem_" in key else min)(out.get(key, value), value)
+    return out
+
+
+def peer_rounds(ctx: RankCtx, stem: str, one_round: Callable[[str], Metrics]) -> Metrics:
+    """``ctx.peer_reps`` rounds of a peer, each to its own path ``stem-<round>``, deleted after the last
+    round; the first is cold (``ctx.cold``), later ones find a warm heap. The best of each figure."""
+    rounds = []
+    for i in range(ctx.peer_reps):
+        ctx.cold = i == 0
+        rounds.append(one_round(ctx.path(f"{stem}-{i}")))
+        gc.collect()
+    ctx.cold = True
+    ctx.remove(stem)
+    return best_rounds(rounds)
+
+
+# ---- a quiet machine ---------------------------------------------------------------------------------
 def _busy_s() -> float:
     try:
         with open("/proc/stat") as f:
@@ -463,20 +529,32 @@ def _busy_s() -> float:
 
 
 def _own_cpu_s() -> float:
-    import resource
-
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+class CpuLoad:
+    """Busy CPU time of the whole machine (``/proc/stat``) minus this process's and its reaped children's,
+    over a stretch of wall time: how many cores other processes used meanwhile."""
+
+    def __init__(self) -> None:
+        self.wall, self.busy, self.own = time.perf_counter(), _busy_s(), _own_cpu_s()
+
+    def foreign_cores(self) -> float:
+        """Cores other processes kept busy, on average, since this object was made."""
+        wall = time.perf_counter() - self.wall
+        if wall <= 0:
+            return float("nan")
+        return max(0.0, (_busy_s() - self.busy) - (_own_cpu_s() - self.own)) / wall
+
+
 def wait_quiet(threshold: float, window: float = 1.0, max_wait: float = 30.0) -> tuple[float, float]:
-    """Wait until other processes use at most ``threshold`` cores over ``window`` seconds, or
-    ``max_wait`` passed. Returns (seconds waited, the last foreign load seen)."""
+    """Wait until other processes use at most ``threshold`` cores over ``window`` seconds, or ``max_wait``
+    passed. Returns (seconds waited, the last foreign load seen)."""
     start = time.perf_counter()
     while True:
         probe = CpuLoad()
         time.sleep(window)
-        load = probe.foreign_cores()
-        waited = time.perf_counter() - start
+        load, waited = probe.foreign_cores(), time.perf_counter() - start
         if load <= threshold or waited >= max_wait:
             return waited, load

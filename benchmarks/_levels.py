@@ -1,20 +1,10 @@
 """Multi-level section of ``bench_save.py``: a fast local level in front of S3 (moto), one process.
 
-For the same state, back to back in one process:
-
-* ``s3 direct``: ``Checkpointer("s3://...")``: ``save()`` stall and time to durable (``wait()``);
-* ``local only``: ``Checkpointer(local_dir)``: the same figures, the one-level baseline;
-* ``local only + raw upload``: the same, with an s3fs upload of the same bytes started just
-  before each save: the contention any upload in flight causes on this machine, without our code;
-* ``local + s3``: ``Checkpointer(levels=[local_dir, "s3://..."])``: stall, time to durable on
-  level 1 (``wait()``) and on level 2 (the flush records' ``durable_s``), skipped flushes.
-
-Every save follows the previous one's ``wait()``, so with two levels each save's snapshot runs
-while the previous flush is still copying: the stall includes that contention, which is why the
-``raw upload`` row is its reference (on 2 cores with moto in the same machine it is large).
-
-moto keeps objects in memory and is single-threaded Python: absolute S3 figures say nothing about
-a real object store; the ratios compare the paths on the same machine in the same minute.
+For the same state, back to back: ``s3 direct``, ``local only``, ``local only + raw upload`` (an s3fs
+upload of the same bytes started just before each save: the contention any upload causes here, without
+our code) and ``local + s3`` (``levels=[local, "s3://..."]``: durable on level 1 and on S3). Every save
+follows the previous one's ``wait()``, so with two levels its snapshot runs beside the previous flush.
+moto is single-threaded Python holding objects in memory: only the ratios mean anything.
 """
 
 from __future__ import annotations
@@ -35,8 +25,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 
 def _run(ck: Any, state: dict, reps: int, beside: Any = None) -> dict[str, Any]:
-    """``reps`` saves (the first, which allocates the buffer, is left out of the figures);
-    ``beside``: a function run in a thread started just before each save (and joined after)."""
+    """``reps`` saves after a first one (which allocates the buffer, left out); ``beside``: run in a thread
+    started just before each save and joined after it."""
     stalls, durable = [], []
     for step in range(reps + 1):
         thread = threading.Thread(target=beside) if beside is not None and step else None
@@ -60,21 +50,18 @@ def _run(ck: Any, state: dict, reps: int, beside: Any = None) -> dict[str, Any]:
         flushed = [r for r in ck.flush_records if r.committed and r.step > 0]
         out.update(l2_durable_s=statistics.median(r.durable_s for r in flushed) if flushed else float("nan"),
                    l2_lag_s=statistics.median(r.lag_s for r in flushed) if flushed else float("nan"),
-                   flushed=ck.counters["flushed"], flush_skipped=ck.counters["flush_skipped"],
-                   flush_bytes=ck.counters["flush_bytes"])
+                   **{k: ck.counters[k] for k in ("flushed", "flush_skipped", "flush_bytes")})
     ck.close()
     return out
 
 
 def bench_levels(size_mib: int, reps: int, workdir: str) -> tuple[dict[str, Any], str]:
-    """Figures and a markdown report of the set-ups (see the module docstring); no figures and a
-    note when moto is not installed (the rest of ``bench_save.py`` does not need it)."""
+    """Figures and a Markdown report of the set-ups; none and a note when moto is not installed."""
     try:
         importlib.import_module("moto.server")
         import s3server
     except ImportError as e:
         return {}, f"multi-level section skipped: {e} (install the test extra: pip install 'ckpt-suite[test]')"
-
     from ckpt_engine import Checkpointer
     from ckpt_engine.storage import Storage
 
@@ -84,35 +71,20 @@ def bench_levels(size_mib: int, reps: int, workdir: str) -> tuple[dict[str, Any]
     os.environ.update(server.env)
     s3server.make_bucket(server, "bench")
     run = uuid.uuid4().hex[:8]
-    raw = Storage(f"s3://bench/raw-{run}")
-    data = bytes(state_bytes(state))
-
-    def upload() -> None:
-        raw.write_stream("raw.bin", [data])
-
+    raw, data = Storage(f"s3://bench/raw-{run}"), bytes(state_bytes(state))
     try:
         with tempfile.TemporaryDirectory(dir=workdir) as local:
-            rows = {
-                "s3 direct": _run(Checkpointer(f"s3://bench/direct-{run}", keep_last=1), state, reps),
-                "local only": _run(Checkpointer(os.path.join(local, "one"), keep_last=1), state, reps),
-                "local only + raw upload": _run(Checkpointer(os.path.join(local, "ref"), keep_last=1), state, reps,
-                                                upload),
-                "local + s3": _run(Checkpointer(levels=[os.path.join(local, "l1"), f"s3://bench/l2-{run}"],
-                                                keep_last=1), state, reps),
-            }
+            rows = {"s3 direct": _run(Checkpointer(f"s3://bench/direct-{run}", keep_last=1), state, reps),
+                    "local only": _run(Checkpointer(os.path.join(local, "one"), keep_last=1), state, reps),
+                    "local only + raw upload": _run(Checkpointer(os.path.join(local, "ref"), keep_last=1), state,
+                                                    reps, lambda: raw.write_stream("raw.bin", [data])),
+                    "local + s3": _run(Checkpointer(levels=[os.path.join(local, "l1"), f"s3://bench/l2-{run}"],
+                                                    keep_last=1), state, reps)}
     finally:
         server.stop()
         for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return rows, _report(rows, size_mib, reps)
-
-
-def _report(rows: dict[str, Any], size_mib: int, reps: int) -> str:
-    direct, one, two = rows["s3 direct"], rows["local only"], rows["local + s3"]
-    ref = rows["local only + raw upload"]
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    direct, one, two, ref = rows["s3 direct"], rows["local only"], rows["local + s3"], rows["local only + raw upload"]
     lines = [f"## Multi-level: {size_mib} MiB, 1 process, median of {reps} saves (S3 = moto on loopback)", "",
              "| set-up | stall ms | durable on level 1 s | durable on S3 s |", "|---|---|---|---|",
              f"| s3 direct | {direct['stall_s'] * 1e3:.1f} | | {direct['durable_s']:.3f} |",
@@ -126,4 +98,4 @@ def _report(rows: dict[str, Any], size_mib: int, reps: int) -> str:
              f"**{two['stall_s'] / ref['stall_s']:.2f}**",
              f"- time to durable on S3 through level 1 ÷ straight: {two['l2_durable_s'] / direct['durable_s']:.2f} "
              "(includes waiting behind the previous flush)"]
-    return "\n".join(lines)
+    return rows, "\n".join(lines)

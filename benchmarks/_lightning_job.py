@@ -1,31 +1,14 @@
 """One Lightning fit on CPU under one checkpointing contender, in a fresh process, and its figures.
 
-The one Lightning job of the benchmarks (``bench_lightning`` and ``bench_overhead``). The model is
-Lightning's own demo Transformer (``pytorch_lightning.demos.transformer.LightningTransformer``, 14.6 M
-parameters, with Adam instead of the demo's SGD: ~176 MB of state) on a synthetic token stream cut
-into ``block``-token samples exactly as the demo's ``WikiText2`` cuts its text (no download), or
-(``model="mlp"``) an MLP ``512 -> 2048 -> 2048 -> 10`` with Adam (~63 MB) on synthetic classes.
+The one Lightning job of ``bench_lightning`` and ``bench_overhead``: Lightning's demo Transformer
+(``LightningTransformer``, 14.6 M parameters, with Adam: ~176 MB of state) on synthetic tokens cut as the
+demo's ``WikiText2`` cuts its text, or (``model="mlp"``) an MLP ``512 -> 2048 -> 2048 -> 10`` with Adam
+(~63 MB). Contenders: :data:`CONTENDERS` (the memory ones on a disk paced by ``_slow_storage``).
 
-Contenders (:data:`CONTENDERS`): ``none`` (no checkpointing); ``mc_sync`` (``ModelCheckpoint``,
-synchronous ``torch.save``, three newest kept as ours keeps three) and ``mc_async`` (the same with
-``AsyncCheckpointIO``); ours (``AsyncShardedCheckpoint``, ``pipeline`` off and on; ``budget`` set:
-``overhead_budget`` instead of a fixed interval); and the node-memory set (:data:`MEMORY_CONTENDERS`,
-a disk paced to ``disk_mb_s`` by ``_slow_storage.SlowStorage``): ``ours_disk50`` on that disk alone,
-``ours_mem`` with a node-memory level in ``/dev/shm`` in front of it (every ``every`` steps) and
-``ours_mem_every1`` (every step), and ``copy_hash_every1``, the floor of a checkpoint at every step:
-the state copied into one preallocated buffer and hashed with xxh3 on the training thread.
-
-Every fit runs in its own process (:func:`run_fit`), so the figures are whole-process ones:
-``process_cpu_s`` (``getrusage`` at the end: every thread, imports and start-up included; only ours
-imports ``ckpt_engine``); ``fit_cpu_s`` / ``fit_wall_s`` around ``trainer.fit``; the CPU by thread
-(the main thread, each Python thread when it ended or at the end, the rest: native threads); per
-checkpoint the training thread's CPU (``ModelCheckpoint._save_checkpoint``, ours' ``train_cpu_ms``)
-and Lightning's ``torch.save`` calls; at every step's end (the first callback) the wall time, the
-main-thread CPU and the process CPU (``marks``), from which :func:`local_costs` and
-:func:`drift_corrected` take their figures; when training ends (the first ``on_train_end``, before ours
-waits for its last checkpoint) ``end_wall_s`` / ``end_cpu_s``; ours' ``figures.jsonl`` rows and counters.
-
-``python _lightning_job.py --contender ours --out result.json ...`` is one fit (the child).
+Each fit is a process of its own (:func:`run_fit`), so its figures are whole-process ones: CPU by
+``getrusage`` (imports included), ``fit`` CPU and wall, CPU by thread, per checkpoint the training
+thread's CPU, and at every step's end the wall time, main-thread and process CPU (``marks``), from which
+:func:`local_costs` and :func:`drift_corrected` take their figures.
 """
 
 from __future__ import annotations
@@ -39,10 +22,11 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
 VOCAB = 33278
@@ -63,23 +47,23 @@ TARGET_VS_PEER = 1 / 3
 LABELS = {"none": "no checkpointing", "mc_sync": "ModelCheckpoint (sync torch.save)",
           "mc_async": "ModelCheckpoint + AsyncCheckpointIO", "ours": "ours, pipeline=False",
           "ours_pipe": "ours, pipeline=True"}
+PYCACHE = os.path.join(tempfile.gettempdir(), "ckpt-suite-bench-pycache")
+"""The fits' bytecode cache, outside the repository: ours is not charged for compiling ``ckpt_engine``."""
 
 
 @dataclass(frozen=True)
 class FitJob:
-    """The fit: ``steps`` optimizer steps of ``model``, a checkpoint every ``every`` steps."""
+    """The fit: ``steps`` optimizer steps of ``model``, a checkpoint every ``every`` steps; ``block`` tokens
+    per sample; ``threads``: ``torch.set_num_threads`` (0: torch's default); ``disk_mb_s``: the slow disk."""
 
     model: str = "transformer"
     steps: int = 120
     every: int = 10
     block: int = 35
-    """Tokens per sample (the demo's ``WikiText2(block_size=35)``)."""
     threads: int = 0
-    """``torch.set_num_threads``; 0 leaves torch's default (all cores)."""
     keep: int = 3
     seed: int = 0
     disk_mb_s: float = 50.0
-    """The slow disk's rate (MB/s) of :data:`SLOW_DISK`."""
 
 
 def every_of(job: FitJob, contender: str) -> int:
@@ -98,7 +82,12 @@ def label(c: str, job: FitJob) -> str:
 
 @dataclass
 class FitResult:
-    """One fit's figures (see the module docstring)."""
+    """One fit's figures: CPU and wall of the process and of ``fit``; CPU by thread name (pool threads
+    folded into their pool's name); per in-loop checkpoint the training thread's CPU (``train_cpu_ms``)
+    at ``save_steps`` (for none: the steps the others checkpoint, a control); ours' ``figures.jsonl`` rows
+    and counters; ``marks``: at every step's end (``perf_counter``, main-thread CPU, process CPU);
+    ``end_*``: from the start of ``fit`` to the first ``on_train_end`` (before ours' final wait);
+    ``shm_left``: what the fit left in its memory directory; ``copy_hash``: the floor's (wall, CPU)."""
 
     contender: str
     rep: int
@@ -108,38 +97,29 @@ class FitResult:
     fit_wall_s: float
     main_cpu_s: float
     threads_cpu_s: dict[str, float]
-    """CPU seconds by thread name (numbered pool threads folded into their pool's name)."""
     n_ckpt: int
     train_cpu_ms: list[float]
-    """Per in-loop checkpoint: CPU the training thread spent on it."""
-    torch_save: list[tuple[str, float, float]] = field(default_factory=list)
-    """Lightning's ``torch.save`` calls: (thread: "main" | "background", wall s, CPU s)."""
     figures: list[dict[str, Any]] = field(default_factory=list)
-    """Ours: the rows of ``figures.jsonl``."""
     params: int = 0
     save_steps: list[int] = field(default_factory=list)
-    """The steps checkpointed inside the loop (none: the steps the others checkpoint, as a control)."""
     marks: list[tuple[float, float, float]] = field(default_factory=list)
-    """At every step's end: (``perf_counter``, main-thread CPU, process CPU), seconds."""
     import_cpu_ms: float = 0.0
-    """CPU of importing ours (``lightning_ckpt``; Lightning's is imported by every contender)."""
     end_wall_s: float = float("nan")
     end_cpu_s: float = float("nan")
-    """From the start of ``fit`` to the first ``on_train_end`` hook (before ours' final wait)."""
     counters: dict[str, float] = field(default_factory=dict)
-    """Ours: ``Checkpointer.counters`` at the end (saves, committed, skipped, flushed, waited_s...)."""
-    slow: dict[str, float] = field(default_factory=dict)
-    """The slow disk's counters (``_slow_storage.SLOW``: writes, bytes, slept_s)."""
     shm_left: list[str] = field(default_factory=list)
-    """What the fit left below its memory directory after ``fit`` (removed then by the child)."""
     copy_hash: list[tuple[float, float]] = field(default_factory=list)
-    """``copy_hash_every1``: per step, (wall s, training-thread CPU s) of the copy and the hash."""
     name: str = ""
     """The benchmark's name of the configuration (``contender`` when empty)."""
 
+    @classmethod
+    def of(cls, saved: dict[str, Any]) -> "FitResult":
+        """A fit from its JSON (keys this class does not know, from older runs, left out)."""
+        return cls(**{f.name: saved[f.name] for f in fields(cls) if f.name in saved})
+
     @property
     def loop_s(self) -> float:
-        """The training loop's wall time, from the first step's end to the last's (no set-up, no end)."""
+        """The training loop's wall time, from the first step's end to the last's."""
         return self.marks[-1][0] - self.marks[0][0] if self.marks else float("nan")
 
     @property
@@ -148,43 +128,26 @@ class FitResult:
         return self.process_cpu_s - self.main_cpu_s - sum(self.threads_cpu_s.values())
 
     def as_json(self) -> dict[str, Any]:
+        """The fit as a JSON object."""
         return asdict(self)
 
 
-def child_env(pycache: str) -> dict[str, str]:
-    """The fits' environment: bytecode cached under ``pycache`` (outside the repository), so that ours
-    is not charged for compiling ``ckpt_engine`` in every fit (~0.1 s of CPU)."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    env["PYTHONPYCACHEPREFIX"] = pycache
-    return env
-
-
-def warm_up(job: FitJob, workdir: str, pycache: str, memory: bool = False) -> None:
-    """Unmeasured short fits that import (and compile into ``pycache``) what the contenders import."""
-    short = FitJob(**{**asdict(job), "steps": 2 * job.every})
-    for contender in ("mc_async", "ours") + (("ours_mem",) if memory else ()):
-        run_fit(short, contender, workdir, pycache=pycache)
-
-
-def run_fit(job: FitJob, contender: str, workdir: str, rep: int = 0, pycache: Optional[str] = None,
-            name: str = "", budget: float = 0.0, slow_at_step: int = 0, slow_mb_s: float = 0.0) -> FitResult:
-    """One fit of ``job`` under ``contender`` in a fresh process and a fresh ``workdir`` (removed after).
-    ``budget``: ours with ``overhead_budget`` instead of every ``job.every`` steps; ``slow_at_step``:
-    ours' disk paced to ``slow_mb_s`` from that step on."""
+def run_fit(job: FitJob, contender: str, workdir: str, rep: int = 0, name: str = "", budget: float = 0.0,
+            slow_at_step: int = 0, slow_mb_s: float = 0.0) -> FitResult:
+    """One fit of ``job`` under ``contender`` in a fresh process and ``workdir`` (removed after). ``budget``:
+    ours with ``overhead_budget``; ``slow_at_step``: ours' disk paced to ``slow_mb_s`` from that step on."""
     if contender not in CONTENDERS:
         raise ValueError(f"contender must be one of {CONTENDERS}, got {contender!r}")
     shutil.rmtree(workdir, ignore_errors=True)
     os.makedirs(workdir)
-    out = os.path.join(workdir, "result.json")
-    mem_job = f"fit-{os.getpid()}-{rep}-{contender}-{uuid.uuid4().hex[:8]}"
+    out, mem_job = os.path.join(workdir, "result.json"), f"fit-{os.getpid()}-{rep}-{contender}-{uuid.uuid4().hex[:8]}"
+    job_args = {**asdict(job), "every": every_of(job, contender), "budget": budget, "slow_at_step": slow_at_step,
+                "slow_mb_s": slow_mb_s}
     args = [sys.executable, os.path.abspath(__file__), "--contender", contender, "--out", out, "--dir", workdir,
-            "--model", job.model, "--steps", str(job.steps), "--every", str(every_of(job, contender)),
-            "--block", str(job.block), "--threads", str(job.threads), "--keep", str(job.keep),
-            "--seed", str(job.seed), "--disk-mb-s", str(job.disk_mb_s), "--mem-job", mem_job,
-            "--budget", str(budget), "--slow-at-step", str(slow_at_step), "--slow-mb-s", str(slow_mb_s)]
+            "--mem-job", mem_job, *(x for k, v in job_args.items() for x in (f"--{k.replace('_', '-')}", str(v)))]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"} | {"PYTHONPYCACHEPREFIX": PYCACHE}
     try:
-        done = subprocess.run(args, cwd=workdir, capture_output=True, text=True,
-                              env=child_env(pycache) if pycache else None)
+        done = subprocess.run(args, cwd=workdir, capture_output=True, text=True, env=env)
     finally:  # a fit that died leaves its memory behind: never let it pile up in /dev/shm
         remove_memory(mem_job)
     if done.returncode != 0 or not os.path.exists(out):
@@ -195,22 +158,47 @@ def run_fit(job: FitJob, contender: str, workdir: str, rep: int = 0, pycache: Op
     return FitResult(contender=contender, rep=rep, name=name or contender, **res)
 
 
-def memory_left(mem_job: str) -> list[str]:
-    """The files left below the memory directory of ``mem_job`` (``["(empty directories)"]`` if only those)."""
+def quiet_fit(job: FitJob, contender: str, workdir: str, quiet: float, retry: bool = False,
+              **kw: Any) -> tuple[FitResult, float]:
+    """:func:`run_fit` after waiting (a little) for other processes to use at most ``quiet`` cores; with
+    the cores they used during the fit. ``retry``: a disturbed fit runs once more, the quieter one kept."""
+    from _common import CpuLoad, wait_quiet
+
+    best: tuple[FitResult, float] | None = None
+    for _ in range(2 if retry else 1):
+        wait_quiet(quiet, max_wait=10.0)
+        load = CpuLoad()
+        r = run_fit(job, contender, workdir, **kw)
+        foreign = load.foreign_cores()
+        print(f"  {kw.get('name') or contender:14s} round {kw.get('rep', 0)}: process CPU {r.process_cpu_s:6.2f} s, "
+              f"fit wall {r.fit_wall_s:6.2f} s, loop {r.loop_s:6.2f} s, {r.n_ckpt} checkpoints, foreign load "
+              f"{foreign:.2f} cores" + (f", LEFT IN /dev/shm: {len(r.shm_left)}" if r.shm_left else ""), flush=True)
+        if best is None or foreign < best[1]:
+            best = (r, foreign)
+        if best[1] <= quiet:
+            break
+    assert best is not None
+    return best
+
+
+def warm_up(job: FitJob, workdir: str, memory: bool = False) -> None:
+    """Unmeasured short fits that import (and compile into :data:`PYCACHE`) what the contenders import."""
+    for contender in ("mc_async", "ours") + (("ours_mem",) if memory else ()):
+        run_fit(FitJob(**{**asdict(job), "steps": 2 * job.every}), contender, workdir)
+
+
+def remove_memory(mem_job: str) -> list[str]:
+    """Remove the memory directory of ``mem_job`` (and the root, once empty); return the files it held
+    (``["(empty directories)"]`` if only those)."""
     top = os.path.join(SHM_ROOT, mem_job)
-    if not os.path.isdir(top):
-        return []
-    files = sorted(os.path.relpath(os.path.join(d, f), top) for d, _, names in os.walk(top) for f in names)
-    return files or ["(empty directories)"]
-
-
-def remove_memory(mem_job: str) -> None:
-    """Remove the memory directory of ``mem_job`` (and the root, once empty)."""
-    shutil.rmtree(os.path.join(SHM_ROOT, mem_job), ignore_errors=True)
+    left = sorted(os.path.relpath(os.path.join(d, f), top) for d, _, names in os.walk(top) for f in names)
+    left = left or (["(empty directories)"] if os.path.isdir(top) else [])
+    shutil.rmtree(top, ignore_errors=True)
     try:
         os.rmdir(SHM_ROOT)
     except OSError:
         pass
+    return left
 
 
 # ---- figures of a fit's step marks -------------------------------------------------------------------
@@ -238,20 +226,17 @@ def step_deltas(r: FitResult, i: int = 0) -> dict[int, float]:
 
 
 def clean_step(r: FitResult, i: int = 0, tail: float = 0.7) -> float:
-    """The fit's clean step: the median over the steps late in an interval between checkpoints
-    (phase > ``tail``, clear of the previous checkpoint's work); every step after the fifth for a fit
-    without checkpoints."""
-    dx, saves = step_deltas(r, i), sorted(r.save_steps)
-    late = []
+    """The fit's clean step: the median over the steps late in an interval between checkpoints (phase >
+    ``tail``); every step after the fifth for a fit without checkpoints."""
+    dx, saves, late = step_deltas(r, i), sorted(r.save_steps), []
     for a, b in zip(saves, saves[1:]):
         late += [dx[j] for j in range(a + 1, b + 1) if j in dx and (j - a) / (b - a) > tail]
     return median(late if r.n_ckpt and late else [dx[j] for j in sorted(dx)[4:]])
 
 
 def drift_corrected(r: FitResult, base: FitResult, i: int = 0, total: str = "end_wall_s") -> float:
-    """Overhead with each fit measured in its own clean steps: ``total`` ÷ (steps × clean step), minus
-    the same of the no-checkpointing fit of its round. Whole fits run uniformly faster or slower than
-    their neighbours here; this figure is not fooled by that, but misses a slowdown lasting whole intervals."""
+    """Overhead with each fit in its own clean steps: ``total`` ÷ (steps × clean step), minus the same of
+    the no-checkpointing fit of its round (not fooled by whole fits running faster or slower)."""
     def steps(f: FitResult) -> int:  # the loop (``loop_s``) starts at the first step's end
         return len(f.marks) - (total == "loop_s")
 
@@ -260,11 +245,9 @@ def drift_corrected(r: FitResult, base: FitResult, i: int = 0, total: str = "end
 
 
 def local_costs(r: FitResult, window: int, i: int = 0, tail: float = 0.7) -> list[float]:
-    """Seconds each in-loop checkpoint cost in mark ``i``: the excess of the ``window`` steps after it
-    (cut at the next checkpoint: its stall, then the steps beside its background work) over the median
-    of the late steps of the interval before it. Local in time, so the drift between fits is not
-    charged to it; a checkpoint without ``window`` steps after it, or without late steps before it, is
-    left out. For ``none``: the same windows at the same steps (a control: ~0)."""
+    """Seconds each in-loop checkpoint cost in mark ``i``: the excess of the ``window`` steps after it (cut
+    at the next checkpoint) over the median of the late steps of the interval before it; a checkpoint
+    without either is left out. For ``none``: the same windows at the same steps (a control: ~0)."""
     dx, saves, out = step_deltas(r, i), sorted(r.save_steps), []
     for k, s in enumerate(saves):
         prev = saves[k - 1] if k else s - window
@@ -276,7 +259,7 @@ def local_costs(r: FitResult, window: int, i: int = 0, tail: float = 0.7) -> lis
     return out
 
 
-# ---- the child: one fit ----------------------------------------------------------------------------
+# ---- the child: one fit ------------------------------------------------------------------------------
 _ENDED: dict[str, float] = {}
 """CPU seconds of the Python threads that ended, by name (child process)."""
 
@@ -303,18 +286,16 @@ def _count_thread_cpu() -> None:
 
 def _threads_cpu() -> dict[str, float]:
     """CPU seconds of every Python thread but this one: ended ones, plus the live ones' so far."""
-    out = dict(_ENDED)
-    tick = os.sysconf("SC_CLK_TCK")
+    out, tick = dict(_ENDED), os.sysconf("SC_CLK_TCK")
     for t in threading.enumerate():
         if t is threading.current_thread() or t.native_id is None:
             continue
         try:
             with open(f"/proc/self/task/{t.native_id}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+                stat = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        name = _pool_name(t.name)
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        out[_pool_name(t.name)] = out.get(_pool_name(t.name), 0.0) + (int(stat[11]) + int(stat[12])) / tick
     return out
 
 
@@ -331,11 +312,8 @@ def _model(a: argparse.Namespace) -> Any:
     from torch.utils.data import DataLoader, Dataset, TensorDataset
 
     class SyntheticTokens(Dataset):
-        """A random token stream, cut as the demo's ``WikiText2`` cuts its text."""
-
         def __init__(self, samples: int, block: int, seed: int) -> None:
-            g = torch.Generator().manual_seed(seed)
-            self.data = torch.randint(0, VOCAB, (samples * block + 1,), generator=g)
+            self.data = torch.randint(0, VOCAB, (samples * block + 1,), generator=torch.Generator().manual_seed(seed))
             self.block = block
 
         def __len__(self) -> int:
@@ -346,9 +324,7 @@ def _model(a: argparse.Namespace) -> Any:
             return self.data[start:start + self.block], self.data[start + 1:start + self.block + 1]
 
     class DemoTransformer(LightningTransformer):
-        """The demo model with Adam and synthetic tokens (no download in ``prepare_data``)."""
-
-        def prepare_data(self) -> None:
+        def prepare_data(self) -> None:  # no download
             pass
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -358,8 +334,6 @@ def _model(a: argparse.Namespace) -> Any:
             return DataLoader(SyntheticTokens(a.steps + 1, a.block, a.seed))
 
     class MLP(pl.LightningModule):
-        """``512 -> 2048 -> 2048 -> 10`` with Adam on synthetic classes, 100 batches of 64 per epoch."""
-
         def __init__(self) -> None:
             super().__init__()
             self.net = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048),
@@ -393,8 +367,8 @@ def _child(a: argparse.Namespace) -> None:
     warnings.filterwarnings("ignore")
 
     class Marks(pl.Callback):
-        """First callback: the time and CPU at every step's end, and when training ends (before the
-        other callbacks' ``on_train_end``, so before ours waits for its last checkpoint)."""
+        """First callback: the time and CPU at every step's end, and when training ends (before the other
+        callbacks' ``on_train_end``, so before ours waits for its last checkpoint)."""
 
         def __init__(self) -> None:
             self.marks: list[tuple[float, float, float]] = []
@@ -413,9 +387,7 @@ def _child(a: argparse.Namespace) -> None:
         def __init__(self) -> None:
             import xxhash
 
-            self.hash = xxhash.xxh3_64_intdigest
-            self.buffer: Optional[torch.Tensor] = None
-            self.times: list[tuple[float, float]] = []
+            self.hash, self.buffer, self.times = xxhash.xxh3_64_intdigest, None, []
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any, **kwargs: Any) -> None:
             wall, cpu = time.perf_counter(), time.thread_time()
@@ -435,32 +407,14 @@ def _child(a: argparse.Namespace) -> None:
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    ckdir = os.path.join(a.dir, "ckpt")
-    marks = Marks()
+    ckdir, marks = os.path.join(a.dir, "ckpt"), Marks()
     callbacks: list[Any] = [marks]
-    import_cpu = 0.0
     plugins: list[Any] = []
     ours: Any = None
     copy_hash: Any = None
-    slow: dict[str, Any] = {}
-    saves: list[float] = []
-    save_steps: list[int] = []
-    torch_save: list[tuple[str, float, float]] = []
+    import_cpu, saves, save_steps = 0.0, [], []
     if a.contender.startswith("mc"):
-        from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
         from pytorch_lightning.callbacks import ModelCheckpoint
-
-        original_save = TorchCheckpointIO.save_checkpoint
-
-        def timed_save(*args: Any, **kwargs: Any) -> Any:
-            wall, cpu = time.perf_counter(), time.thread_time()
-            try:
-                return original_save(*args, **kwargs)
-            finally:
-                where = "main" if threading.current_thread() is threading.main_thread() else "background"
-                torch_save.append((where, time.perf_counter() - wall, time.thread_time() - cpu))
-
-        TorchCheckpointIO.save_checkpoint = timed_save  # type: ignore[method-assign]
 
         class TimedModelCheckpoint(ModelCheckpoint):
             def _save_checkpoint(self, trainer: Any, filepath: str) -> None:
@@ -473,6 +427,7 @@ def _child(a: argparse.Namespace) -> None:
                                               mode="max", save_top_k=a.keep))
         if a.contender == "mc_async":
             from pytorch_lightning.plugins.io import AsyncCheckpointIO
+
             plugins.append(AsyncCheckpointIO())
     elif a.contender.startswith("ours"):
         cpu = _rusage_cpu()
@@ -507,7 +462,6 @@ def _child(a: argparse.Namespace) -> None:
                                                 trainer.global_step < a.slow_at_step else throttle(a.slow_mb_s)))
             else:
                 throttle(a.disk_mb_s)
-            slow = SLOW
             disk = SlowStorage(ckdir)
             where = {"dirpath": disk} if a.contender not in MEMORY_LEVEL else \
                 {"levels": [{"kind": "memory", "path": SHM_ROOT, "job": a.mem_job}, disk]}
@@ -528,12 +482,11 @@ def _child(a: argparse.Namespace) -> None:
         trainer.fit(model)
     finally:
         fit_wall, fit_cpu = time.perf_counter() - wall0, _rusage_cpu() - cpu0
-        shm_left = memory_left(a.mem_job)
-        remove_memory(a.mem_job)
+        shm_left = remove_memory(a.mem_job)
     figures: list[dict[str, Any]] = ours.rows if ours is not None else []
     rows = [r for r in figures if r.get("kind", "save") == "save" and r["step"] <= a.steps]
     train_cpu = saves if a.contender.startswith("mc") else [r.get("train_cpu_ms", float("nan")) for r in rows]
-    if a.contender.startswith("ours"):
+    if ours is not None:
         save_steps = [r["step"] for r in rows]
     elif a.contender == "none":
         save_steps = list(range(a.every, a.steps + 1, a.every))
@@ -543,11 +496,10 @@ def _child(a: argparse.Namespace) -> None:
     result = {"process_cpu_s": _rusage_cpu(), "process_wall_s": time.perf_counter() - start,
               "fit_cpu_s": fit_cpu, "fit_wall_s": fit_wall, "main_cpu_s": time.thread_time(),
               "threads_cpu_s": _threads_cpu(), "n_ckpt": len(train_cpu), "train_cpu_ms": train_cpu,
-              "torch_save": torch_save, "figures": figures, "params": sum(p.numel() for p in model.parameters()),
+              "figures": figures, "params": sum(p.numel() for p in model.parameters()),
               "save_steps": save_steps, "marks": marks.marks, "import_cpu_ms": import_cpu * 1e3,
               "end_wall_s": marks.end[0] - wall0, "end_cpu_s": marks.end[1] - cpu0,
               "counters": dict(ours.opened.counters) if ours is not None and ours.opened is not None else {},
-              "slow": {k: v for k, v in slow.items() if k in ("writes", "bytes", "slept_s")},
               "shm_left": shm_left, "copy_hash": copy_hash.times if copy_hash is not None else []}
     with open(a.out, "w") as f:
         json.dump(result, f)
@@ -559,12 +511,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--model", choices=("transformer", "mlp"), default="transformer")
     p.add_argument("--out", required=True)
     p.add_argument("--dir", required=True)
-    for name, default in (("steps", 120), ("every", 10), ("block", 35), ("threads", 0), ("keep", 3), ("seed", 0),
-                          ("slow-at-step", 0)):
-        p.add_argument(f"--{name}", type=int, default=default)
-    for name, default in (("disk-mb-s", 50.0), ("budget", 0.0), ("slow-mb-s", 0.0)):
-        p.add_argument(f"--{name}", type=float, default=default)
     p.add_argument("--mem-job", default=f"fit-{os.getpid()}", help="the memory level's job name (below SHM_ROOT)")
+    for name, kind in (("steps", int), ("every", int), ("block", int), ("threads", int), ("keep", int),
+                       ("seed", int), ("slow-at-step", int), ("disk-mb-s", float), ("budget", float),
+                       ("slow-mb-s", float)):
+        p.add_argument(f"--{name}", type=kind, default=0)
     _child(p.parse_args(argv))
 
 

@@ -1,10 +1,8 @@
 """A slower disk for the benchmarks: local storage whose data-file writes take longer, at no CPU cost.
 
-Its own module (no Lightning, no ``lightning_ckpt``: only ``ckpt_engine.storage``), so that a fit of
-``_lightning_job`` imports it without charging another contender's imports to its CPU.
-
-:data:`SLOW` is process-wide: a fit on a disk of a fixed rate sets it once with :func:`throttle`;
-``bench_overhead``'s slowed fit calls :func:`throttle` from the training thread at a given step.
+Its own module (only ``ckpt_engine.storage``), so that a fit of ``_lightning_job`` imports it without
+charging another contender's imports to its CPU. :data:`SLOW` is process-wide: :func:`throttle` sets it
+once, or from the training thread at a given step (``bench_overhead``'s slowed fit).
 """
 
 from __future__ import annotations
@@ -16,58 +14,41 @@ from typing import Any, Iterator
 
 from ckpt_engine.storage import Storage
 
-SLOW: dict[str, Any] = {"on": False, "sleep_s": 0.0, "seconds_per_byte": 0.0, "pace": False, "writes": 0,
-                        "bytes": 0, "slept_s": 0.0}
-"""Switch and settings of :class:`SlowStorage`; ``writes``, ``bytes`` and ``slept_s`` count what it slowed.
-``pace``: sleep only what the real write left of its time (a disk of that rate), else all of it on top."""
+SLOW: dict[str, Any] = {"on": False, "seconds_per_byte": 0.0, "writes": 0, "bytes": 0, "slept_s": 0.0}
+"""Switch and rate of :class:`SlowStorage`; ``writes``, ``bytes`` and ``slept_s`` count what it slowed."""
 _LOCK = threading.Lock()
 
 
 def throttle(mb_per_s: float) -> None:
-    """From now on every data-file write takes at least ``bytes / (mb_per_s * 1e6)`` seconds in all,
-    the real write included (a disk of that rate; this machine's own disk is faster)."""
-    SLOW.update(on=True, sleep_s=0.0, seconds_per_byte=1.0 / (mb_per_s * 1e6), pace=True, writes=0, bytes=0,
-                slept_s=0.0)
+    """From now on every data-file write takes at least ``bytes / (mb_per_s * 1e6)`` seconds in all, the
+    real write included (a disk of that rate; this machine's own disk is faster)."""
+    SLOW.update(on=True, seconds_per_byte=1.0 / (mb_per_s * 1e6), writes=0, bytes=0, slept_s=0.0)
 
 
 class SlowStorage(Storage):
-    """Local storage whose data-file writes (``write_stream``) take ``sleep_s + bytes *
-    seconds_per_byte`` longer once :data:`SLOW` is on (``pace``: at least that long in all), a
-    slower disk or network for the writing thread at no CPU cost.
-
-    Without ``pace`` a sequence of chunks is slept for before the write. A stream (an iterable
-    whose every ``iter()`` is a fresh pass, such as a flush from another level, whose chunks are
-    views of one reused buffer) is never materialized (a list of those views would hold the last
-    chunk only, and the file would be written wrong): its bytes are counted as they pass and slept
-    for after the write.
-    """
+    """Local storage whose data-file writes (``write_stream``) take at least ``bytes * seconds_per_byte``
+    once :data:`SLOW` is on: the writing thread sleeps what the real write left of that time. A stream
+    (an iterable whose every ``iter()`` is a fresh pass, such as a flush from another level, whose chunks
+    are views of one reused buffer) is passed through unchanged and its bytes counted as they pass: a
+    list of those views would hold the last chunk only, and the file would be written wrong."""
 
     def write_stream(self, rel: str, chunks: Any, *, sync_dir: bool = True) -> int:
         if not SLOW["on"]:
             return super().write_stream(rel, chunks, sync_dir=sync_dir)
         start = time.perf_counter()
-        if isinstance(chunks, collections.abc.Sequence):  # kept a sequence: the same write path as unthrottled
+        if isinstance(chunks, collections.abc.Sequence):
             nbytes = sum(memoryview(c).nbytes for c in chunks)
-            if not SLOW["pace"]:
-                _sleep_for(nbytes, 0.0)
-                return super().write_stream(rel, chunks, sync_dir=sync_dir)
             written = super().write_stream(rel, chunks, sync_dir=sync_dir)
         else:
             counted = _Counted(chunks)
             written = super().write_stream(rel, counted, sync_dir=sync_dir)
             nbytes = counted.last_pass
-        _sleep_for(nbytes, time.perf_counter() - start if SLOW["pace"] else 0.0)
+        seconds = max(0.0, nbytes * SLOW["seconds_per_byte"] - (time.perf_counter() - start))
+        with _LOCK:
+            SLOW["writes"], SLOW["bytes"], SLOW["slept_s"] = SLOW["writes"] + 1, SLOW["bytes"] + nbytes, \
+                SLOW["slept_s"] + seconds
+        time.sleep(seconds)
         return written
-
-
-def _sleep_for(nbytes: int, spent_s: float) -> None:
-    """Sleep for ``nbytes`` at :data:`SLOW`'s rate, less ``spent_s`` already spent writing them."""
-    seconds = max(0.0, SLOW["sleep_s"] + nbytes * SLOW["seconds_per_byte"] - spent_s)
-    with _LOCK:
-        SLOW["writes"] += 1
-        SLOW["bytes"] += nbytes
-        SLOW["slept_s"] += seconds
-    time.sleep(seconds)
 
 
 class _Counted:

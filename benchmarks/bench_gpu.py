@@ -1,39 +1,12 @@
 """The CUDA path on one GPU: snapshot stall, GPU-side delay, persist, and training overhead.
 
-Per state size (``--sizes-gib``, default 1 4 16; the state lives on the GPU: float32 and bf16
-matrices, one transposed (non-contiguous) tensor, a few hundred small ones), each contender saves
-the same state and is timed for:
-
-* ``stall``: wall time of the save call on the training thread;
-* ``mutable``: until the state may be mutated (``wait_snapshot()``, DCP's staging future);
-* ``gpu_delay``: how much later a fixed matmul workload (the next forward/backward), queued right
-  after the call behind a short spin kernel (the optimizer step still in flight), ends on the GPU
-  than the same sequence without a save (CUDA events); ``control``: the same pair of sequences with
-  no save in either, measured in the same repetition (before or after the save, alternately): the
-  figure's own bias, ±3-5 ms per pair on an H200, so a delay is read as ``delay - control``, compared
-  with ``d2h``;
-  ``gpu_delay_to_mutable``: the same for an event recorded on the training stream once the host
-  may mutate the state (when the next optimizer step could run on the GPU);
-* ``durable``: until the checkpoint is on disk (``wait()``, DCP's upload future, Lightning's
-  ``teardown()`` plus an ``fsync``), and the persist throughput ``bytes / (durable - mutable)``.
-
-Physical limits, same bytes: ``d2h`` is ``copy_`` of one contiguous device buffer into preallocated
-pinned memory, synchronized (cudaMemcpy); ``raw write`` writes that pinned buffer to the same
-directory (``O_DIRECT`` and buffered + ``fsync``; the faster is the limit).
-
-Contenders: ours (``Checkpointer.save`` after ``reserve()``, and ``defer=True`` + ``wait_snapshot``),
-DCP ``async_save`` with its default stager and, on CUDA, with ``DefaultStager(StagingOptions(
-use_pinned_memory=True, async staging))``: a fresh one per save (``dcp_async_pinned``: what torch 2.11
-allows, see :func:`_reusable_stager`) and one reused (``dcp_async_pinned_cached``); Lightning
-``AsyncCheckpointIO(TorchCheckpointIO())``. ``--only NAME ...`` re-runs some contenders / training runs.
-
-Then a GPT-2-small-sized model (124M parameters, AdamW, bf16 autocast, synthetic tokens) in a plain
-loop: steps/s without checkpoints, and with ours every step, every 10 steps (also with ``defer=True``
-and ``wait_snapshot()`` before the optimizer step, the front ends' ``pipeline=True``) and under
-``overhead_budget=0.035`` (``Schedule`` + the adaptive policy), and DCP ``async_save`` every 10 steps.
-Overhead = time per step with checkpoints / without - 1 (the baseline is run first and last).
-
-``--tiny``: a few MiB and a 2-layer model; runs on CPU without CUDA (tests/test_gpu.py runs it).
+What it measures, against which limits, peers and targets: ``benchmarks/README.md``, section bench_gpu.
+Per state size (on the GPU), each contender's ``stall`` (the call), ``mutable`` (until the state may
+change), ``gpu_delay`` (how much later a fixed matmul workload queued right after the call, behind a
+short spin kernel, ends on the GPU than without a save; ``control``: the same pair of sequences without
+a save in the same repetition, the figure's own bias) and ``durable``; limits: a device-to-host
+``copy_`` into pinned memory and a raw write of it. Then a GPT-2-small-sized model trained with ours
+and DCP ``async_save``. ``--tiny``: a few MiB and a 2-layer model, on CPU without CUDA (tests/test_gpu.py).
 
     PYTHONPATH=. python3 benchmarks/bench_gpu.py --sizes-gib 1 4 16 --out benchmarks/out
     PYTHONPATH=. python3 benchmarks/bench_gpu.py --tiny
@@ -95,17 +68,6 @@ def free_memory() -> None:
             if fn is not None:
                 fn()
                 break
-
-
-def host_pinned_stats() -> dict[str, float]:
-    """The caching host allocator's byte counters, where this torch has them."""
-    stats = getattr(torch.cuda, "host_memory_stats", None)
-    if not CUDA or stats is None:
-        return {}
-    try:
-        return {k: float(v) for k, v in stats().items() if "bytes" in k and "current" in k}
-    except Exception:  # noqa: BLE001 - figures only
-        return {}
 
 
 # ---- the state and the GPU probe ---------------------------------------------------------------------
@@ -261,7 +223,6 @@ class Ours:
         t = time.perf_counter()
         self.ck.reserve(state)
         self.setup_s = time.perf_counter() - t
-        self.pinned = host_pinned_stats()
 
     def save(self, state: Any, i: int) -> tuple[Callable[[], None] | None, Callable[[], dict]]:
         h = self.ck.save(state, i, defer=self.defer)
@@ -271,7 +232,7 @@ class Ours:
         self.ck.wait()
         r = self.ck.records[-1]
         return {"write_s": r.persist_s, "commit_s": r.commit_s, "queue_s": r.snapshot_s,
-                "allocations": self.ck._pool.allocations, "setup_s": self.setup_s, **self.pinned}
+                "allocations": self.ck._pool.allocations, "setup_s": self.setup_s}
 
     def after(self) -> None:
         """Untimed: the deletion of the older checkpoint (keep_last=1) is not part of the save."""
@@ -464,13 +425,10 @@ def bench_size(size: float, args: argparse.Namespace, probe: GpuProbe, out: dict
         enc_times.append(time.perf_counter() - t)
     out["encode_s"] = min(enc_times)
     out["contenders"] = {}
-    if not args.only or "limits" in args.only:
-        log(f"{label(size)}: limits")
-        out["limits"] = limits(nbytes, args.workdir, max(2, min(reps, 3)), buffered=nbytes <= 4 * GiB)
-        log(f"  d2h {out['limits']['d2h_gbps']:.1f} GB/s, raw write {out['limits']['raw_write_gbps']:.2f} GB/s")
+    log(f"{label(size)}: limits")
+    out["limits"] = limits(nbytes, args.workdir, max(2, min(reps, 3)), buffered=nbytes <= 4 * GiB)
+    log(f"  d2h {out['limits']['d2h_gbps']:.1f} GB/s, raw write {out['limits']['raw_write_gbps']:.2f} GB/s")
     for name, make in contenders(args.tiny, nbytes).items():
-        if args.only and name not in args.only:
-            continue
         if time.perf_counter() - T0 > args.budget_s:
             out["contenders"][name] = {"skipped": "time budget"}
             continue
@@ -653,8 +611,6 @@ def bench_train(args: argparse.Namespace) -> dict[str, Any]:
         ("baseline_end", lambda: {"step_s": tr.loop(n), "checkpoints": 0}),
     ]
     for name, fn in runs:
-        if args.only and name not in args.only and not name.startswith("baseline"):
-            continue
         if time.perf_counter() - T0 > args.budget_s and name != "baseline_end":
             out["runs"][name] = {"skipped": "time budget"}
             continue
@@ -775,8 +731,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--reps", type=int, default=0,
                    help="saves per contender and size (default: 3 up to 1 GiB, 2 up to 4 GiB, else 1); the "
                         "first is reported apart, the median of the others in the table")
-    p.add_argument("--only", nargs="+",
-                   help="only these contenders and training runs, and the limits if 'limits' is named (a re-run)")
     args = p.parse_args(argv)
     if args.tiny:
         args.sizes_gib = [4 / 1024]

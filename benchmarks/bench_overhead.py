@@ -1,45 +1,31 @@
 """Adaptive checkpoint frequency under an overhead budget, in a real Lightning job (CPU, 1 device).
 
-The MLP of ``_lightning_job`` (~63 MB of state with Adam), ``--steps`` steps per fit, one fresh
-process per fit, under:
-
-* ``none``: no checkpointing (the reference);
-* ours, adaptive: ``AsyncShardedCheckpoint(overhead_budget=b)`` for b = 2 %, 3.5 %, 10 %;
-* ``ModelCheckpoint`` (synchronous ``torch.save``) and the same with ``AsyncCheckpointIO``, every
-  ``k`` steps, ``k`` being the mean interval the adaptive 3.5 % fit applied (measured first);
-
-then once more adaptive 3.5 % on a disk that slows down halfway through (``_slow_storage``, paced so
-that a checkpoint's write takes ``--slow-factor`` × the adaptive interval's wall time).
-
-Per configuration (median over ``--reps`` rounds, the order alternating): overhead of the training
-loop (the first step's end to the last's) over no checkpointing, drift-corrected (each fit in its
-own clean steps), checkpoints, mean interval, expected lost work, local cost per checkpoint (the
-excess of the steps after it over the clean steps before it). Targets: overhead ≤ budget + 1 point;
-at the same overhead ≥ 3 × the checkpoints of the best peer (the inverse ratio of the local costs);
-on the slow disk the interval grows.
+What it measures and its targets: ``benchmarks/README.md``, section bench_overhead. The MLP of
+``_lightning_job``, one fresh process per fit: no checkpointing, ours at budgets 2 %, 3.5 % and 10 %,
+``ModelCheckpoint`` with and without ``AsyncCheckpointIO`` every ``k`` steps (``k``: the mean interval
+ours applied at 3.5 %, measured first), then ours at 3.5 % on a disk slowed halfway through so that a
+checkpoint's write takes ``--slow-factor`` adaptive intervals. Medians over ``--reps`` alternated rounds.
 
 Usage::
 
     .venv/bin/python benchmarks/bench_overhead.py            # ~4 min on a quiet machine
     .venv/bin/python benchmarks/bench_overhead.py --quick    # smoke run
-
-Outputs: ``benchmarks/out/bench_overhead.{md,json}``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
 import tempfile
+from dataclasses import asdict
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import CpuLoad, wait_quiet  # noqa: E402
+from _common import HERE, fmt, pct, verdict, write_report  # noqa: E402
 from _lightning_job import (FitJob, FitResult, clean_step, drift_corrected, local_costs, mean, median,  # noqa: E402
-                            run_fit, warm_up)
+                            quiet_fit, warm_up)
 
 BUDGETS = (0.02, 0.035, 0.10)
 REFERENCE_BUDGET = 0.035
@@ -52,17 +38,18 @@ WINDOW = 12
 
 
 def name_of(b: float) -> str:
+    """The configuration's name of ours at budget ``b``."""
     return f"ours_{b * 100:g}%"
 
 
 def saves(r: FitResult) -> list[int]:
-    """The steps checkpointed inside the loop (ours' save at the last step is the end of training's;
-    no checkpointing lists the steps the others checkpoint, for its control windows)."""
+    """The steps checkpointed inside the loop (not ours' save at the end of training; none for none)."""
     return [s for s in r.save_steps if s < len(r.marks)] if r.contender != "none" else []
 
 
-def intervals(r: FitResult) -> list[int]:
-    return [b - a for a, b in zip(saves(r), saves(r)[1:])]
+def intervals(r: FitResult, lo: int = 0, hi: int = 1 << 30) -> list[float]:
+    """The distances between the loop's checkpoints that lie within steps ``lo..hi``."""
+    return [float(b - a) for a, b in zip(saves(r), saves(r)[1:]) if a >= lo and b <= hi]
 
 
 def settled_interval(r: FitResult) -> int:
@@ -72,34 +59,9 @@ def settled_interval(r: FitResult) -> int:
     return max(1, round((saves(r)[-1] - saves(r)[0]) / (len(saves(r)) - 1)))
 
 
-class Runner:
-    """Fits one after another, each after waiting (a little) for the other processes to quieten; a fit
-    during which they used more than ``quiet`` cores is run once more, the less disturbed one kept."""
-
-    def __init__(self, job: FitJob, workdir: str, quiet: float) -> None:
-        self.job, self.workdir, self.quiet, self.fits = job, workdir, quiet, []
-        self.pycache = os.path.join(tempfile.gettempdir(), "ckpt-suite-bench-pycache")
-        warm_up(job, workdir, self.pycache)
-
-    def __call__(self, name: str, contender: str, rep: int, job: FitJob | None = None, **kw: Any) -> FitResult:
-        best: FitResult | None = None
-        for attempt in range(2):
-            wait_quiet(self.quiet, max_wait=10.0)
-            load = CpuLoad()
-            r = run_fit(job or self.job, contender, self.workdir, rep=rep, pycache=self.pycache, name=name, **kw)
-            r.counters["foreign_cores"] = load.foreign_cores()
-            print(f"  round {rep} {name:12s} loop {r.loop_s:6.2f} s  ckpts {len(saves(r)):3d}  foreign load "
-                  f"{r.counters['foreign_cores']:.2f} cores{'  (run again)' if attempt else ''}", flush=True)
-            if best is None or r.counters["foreign_cores"] < best.counters["foreign_cores"]:
-                best = r
-            if r.counters["foreign_cores"] <= self.quiet:
-                break
-        assert best is not None
-        self.fits.append(best)
-        return best
-
-
 def summarize(fits: list[FitResult], names: list[str], k: int) -> dict[str, Any]:
+    """Per configuration: loop time and overhead (median and drift-corrected), checkpoints, interval,
+    expected lost work, local cost per checkpoint, stall, training-thread CPU."""
     by = {n: [r for r in fits if r.name == n] for n in names}
     base = median([r.loop_s for r in by["none"]])
     base_round = {r.rep: r for r in by["none"]}
@@ -107,16 +69,16 @@ def summarize(fits: list[FitResult], names: list[str], k: int) -> dict[str, Any]
     rows: dict[str, Any] = {}
     for n in names:
         rs = by[n]
-        ckpts = median([float(len(saves(r))) for r in rs])
-        ivs = [float(i) for r in rs for i in intervals(r)]
+        ivs = [i for r in rs for i in intervals(r)]
         figs = [f for r in rs for f in r.figures if f.get("kind", "save") == "save"]
-        local = [c * 1e3 for r in rs for c in local_costs(r, WINDOW)] if n != "none" else []
         rows[n] = {
             "loop_s": median([r.loop_s for r in rs]), "overhead": median([r.loop_s for r in rs]) / base - 1,
             "dc_overhead": median([drift_corrected(r, base_round[r.rep], total="loop_s") for r in rs
                                    if r.rep in base_round]),
-            "n_ckpt": ckpts, "mean_interval": mean(ivs), "expected_lost_work_s": mean(ivs) / 2 * it,
-            "local_cost_ms": mean(local), "stall_ms": mean([f["stall_ms"] for f in figs]),
+            "n_ckpt": median([float(len(saves(r))) for r in rs]), "mean_interval": mean(ivs),
+            "expected_lost_work_s": mean(ivs) / 2 * it,
+            "local_cost_ms": mean([c * 1e3 for r in rs for c in local_costs(r, WINDOW)] if n != "none" else []),
+            "stall_ms": mean([f["stall_ms"] for f in figs]),
             "train_cpu_ms": mean([x for r in rs for x in r.train_cpu_ms]),
             "policy_overhead": mean([f["measured_overhead"] for f in figs if "measured_overhead" in f]),
             "clean_step_ms": median([clean_step(r) * 1e3 for r in rs]),
@@ -126,79 +88,68 @@ def summarize(fits: list[FitResult], names: list[str], k: int) -> dict[str, Any]
 
 
 def verdicts(s: dict[str, Any]) -> list[str]:
+    """Each budget against its target, and the checkpoints at the same overhead against the best peer's."""
     rows, lines = s["rows"], []
     for b in BUDGETS:
         r = rows[name_of(b)]
-        ok, ok_dc = r["overhead"] <= b + SLACK, r["dc_overhead"] <= b + SLACK
-        lines.append(f"- budget {b * 100:g} %: measured {r['overhead'] * 100:+.1f} % → {'PASS' if ok else 'FAIL'}; "
-                     f"drift-corrected {r['dc_overhead'] * 100:+.1f} % → {'PASS' if ok_dc else 'FAIL'} "
+        lines.append(f"- budget {b * 100:g} %: measured {pct(r['overhead'])} → {verdict(r['overhead'] <= b + SLACK)}; "
+                     f"drift-corrected {pct(r['dc_overhead'])} → {verdict(r['dc_overhead'] <= b + SLACK)} "
                      f"(target ≤ {(b + SLACK) * 100:g} %); "
-                     f"the policy's own estimate {r['policy_overhead'] * 100:.1f} %; {r['n_ckpt']:.0f} checkpoints, "
-                     f"mean interval {r['mean_interval']:.1f} steps")
+                     f"the policy's own estimate {r['policy_overhead'] * 100:.1f} %; "
+                     f"{r['n_ckpt']:.0f} checkpoints, mean interval {r['mean_interval']:.1f} steps")
     ref = rows[name_of(REFERENCE_BUDGET)]
     best = min(("mc_sync", "mc_async"), key=lambda n: rows[n]["local_cost_ms"])
     ratio = rows[best]["local_cost_ms"] / ref["local_cost_ms"]
     s["more_checkpoints"] = {"peer": best, "ratio": ratio}
     lines.append(f"- checkpoints at the same overhead (the inverse ratio of the local cost per checkpoint): {best} "
-                 f"{rows[best]['local_cost_ms']:.0f} ms, ours (3.5 %) {ref['local_cost_ms']:.0f} ms → {ratio:.1f} × "
-                 f"→ "
-                 f"{'PASS' if ratio >= MORE_CHECKPOINTS else 'FAIL'} (target ≥ {MORE_CHECKPOINTS:g} ×)")
+                 f"{rows[best]['local_cost_ms']:.0f} ms, ours (3.5 %) {ref['local_cost_ms']:.0f} ms → {ratio:.1f} × → "
+                 f"{verdict(ratio >= MORE_CHECKPOINTS)} (target ≥ {MORE_CHECKPOINTS:g} ×)")
     return lines
 
 
 def slow_summary(r: FitResult, at: int, mb_s: float) -> dict[str, Any]:
-    """The slowed fit before and after step ``at``: intervals, the policy's interval, persist and stall,
-    and the overhead against the fit's own clean step."""
+    """The slowed fit before and after step ``at``: intervals (applied and the policy's), persist, stall, and
+    the overhead against the fit's own clean step."""
     figs = [f for f in r.figures if f.get("kind", "save") == "save"]
-    before, after = [f for f in figs if f["step"] < at], [f for f in figs if f["step"] >= at]
+    parts = {"before": [f for f in figs if f["step"] < at], "after": [f for f in figs if f["step"] >= at]}
     it, t = clean_step(r), [m[0] for m in r.marks]
-    return {"slow_at_step": at, "mb_per_s": mb_s,
-            "interval_before": mean([float(b - a) for a, b in zip(saves(r), saves(r)[1:]) if b <= at]),
-            "interval_after": mean([float(b - a) for a, b in zip(saves(r), saves(r)[1:]) if a >= at]),
-            "policy_interval_before": before[-1].get("interval_steps", math.nan) if before else math.nan,
+    return {"slow_at_step": at, "mb_per_s": mb_s, "interval_before": mean(intervals(r, hi=at)),
+            "interval_after": mean(intervals(r, lo=at)),
+            "policy_interval_before":
+                parts["before"][-1].get("interval_steps", math.nan) if parts["before"] else math.nan,
             "policy_interval_end": figs[-1].get("interval_steps", math.nan) if figs else math.nan,
-            "persist_ms_before": mean([f["persist_ms"] for f in before]),
-            "persist_ms_after": mean([f["persist_ms"] for f in after]),
-            "stall_ms_before": mean([f["stall_ms"] for f in before]),
-            "stall_ms_after": mean([f["stall_ms"] for f in after]),
+            **{f"{k}_ms_{p}": mean([f[f"{k}_ms"] for f in fs]) for p, fs in parts.items()
+               for k in ("persist", "stall")},
             "overhead_before": (t[at - 1] - t[0]) / ((at - 1) * it) - 1,
             "overhead_after": (t[-1] - t[at - 1]) / ((len(t) - at) * it) - 1}
 
 
-def _f(x: float, fmt: str = "{:.1f}") -> str:
-    return "-" if x is None or x != x else fmt.format(x)
-
-
 def markdown(s: dict[str, Any], slow: dict[str, Any] | None, steps: int, reps: int) -> str:
+    """The configurations' table, the verdicts and the slowed fit's before and after."""
     lines = [f"# bench_overhead: MLP + Adam, {steps} steps, iteration ≈ {s['iteration_ms']:.0f} ms, {reps} rounds, "
              f"peers every k = {s['k']} steps", "",
              "| configuration | loop s | overhead | drift-corrected | policy's estimate | checkpoints "
              "| mean interval | expected lost work s | local cost per ckpt ms | stall ms (ours) "
-             "| training-thread CPU per ckpt ms | clean step ms | foreign load (max cores) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| training-thread CPU per ckpt ms | clean step ms | foreign load (max cores) |", "|---" * 13 + "|"]
     for n, r in s["rows"].items():
-        lines.append(f"| {n} | {r['loop_s']:.2f} | {r['overhead'] * 100:+.1f} % | {r['dc_overhead'] * 100:+.1f} % "
-                     f"| {_f(r['policy_overhead'] * 100, '{:.1f} %')} | {r['n_ckpt']:.0f} | {_f(r['mean_interval'])} "
-                     f"| {_f(r['expected_lost_work_s'], '{:.2f}')} | {_f(r['local_cost_ms'])} | {_f(r['stall_ms'])} "
-                     f"| {_f(r['train_cpu_ms'])} "
-                     f"| {r['clean_step_ms']:.1f} | {_f(r['foreign_cores_max'], '{:.2f}')} |")
+        lines.append(f"| {n} | {r['loop_s']:.2f} | {pct(r['overhead'])} | {pct(r['dc_overhead'])} "
+                     f"| {fmt(r['policy_overhead'] * 100, '{:.1f} %')} | {r['n_ckpt']:.0f} | {fmt(r['mean_interval'])} "
+                     f"| {fmt(r['expected_lost_work_s'], '{:.2f}')} | {fmt(r['local_cost_ms'])} | {fmt(r['stall_ms'])} "
+                     f"| {fmt(r['train_cpu_ms'])} | {r['clean_step_ms']:.1f} "
+                     f"| {fmt(r['foreign_cores_max'], '{:.2f}')} |")
     lines += ["", *verdicts(s), ""]
     if slow is not None:
         lines += [f"Disk slowed to {slow['mb_per_s']:.0f} MB/s at step {slow['slow_at_step']} (adaptive 3.5 %):", "",
-                  "| | before | after |", "|---|---|---|",
-                  f"| mean interval (steps) | {_f(slow['interval_before'])} | {_f(slow['interval_after'])} |",
-                  f"| the policy's interval (last logged) | {_f(slow['policy_interval_before'], '{:.0f}')} "
-                  f"| {_f(slow['policy_interval_end'], '{:.0f}')} |",
-                  f"| persist ms | {_f(slow['persist_ms_before'], '{:.0f}')} "
-                  f"| {_f(slow['persist_ms_after'], '{:.0f}')} |",
-                  f"| stall ms | {_f(slow['stall_ms_before'])} | {_f(slow['stall_ms_after'])} |",
-                  f"| overhead against the fit's clean step | {slow['overhead_before'] * 100:+.1f} % "
-                  f"| {slow['overhead_after'] * 100:+.1f} % |", ""]
-    lines += ["Notes: loop = the first step's end to the last's (no set-up, not ours' final wait); overhead = median "
-              "÷ that of no checkpointing − 1; drift-corrected = each fit in its own clean step (the median of the "
-              "late steps of its intervals) against its round's no-checkpointing fit; local cost = the excess of the "
-              f"{WINDOW} steps after a checkpoint over the late steps before it; expected lost work = mean interval "
-              "÷ 2 × iteration. Peers keep 3 checkpoints, as ours; `torch.save` does not fsync, ours does.", ""]
+                  "| | before | after |", "|---|---|---|"]
+        for what, key, spec in (("mean interval (steps)", "interval_{}", "{:.1f}"),
+                                ("the policy's interval (last logged)", "policy_interval_{}", "{:.0f}"),
+                                ("persist ms", "persist_ms_{}", "{:.0f}"), ("stall ms", "stall_ms_{}", "{:.1f}")):
+            after = "end" if key.startswith("policy") else "after"
+            lines.append(f"| {what} | {fmt(slow[key.format('before')], spec)} | {fmt(slow[key.format(after)], spec)} |")
+        lines += [f"| overhead against the fit's clean step | {pct(slow['overhead_before'])} "
+                  f"| {pct(slow['overhead_after'])} |", ""]
+    lines += [f"Notes: loop = the first step's end to the last's; local cost = the excess of the {WINDOW} steps after "
+              "a checkpoint over the late steps before it; the rest: benchmarks/README.md, section bench_overhead.", ""]
     return "\n".join(lines)
 
 
@@ -213,39 +164,40 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--quick", action="store_true", help="smoke run: 120 steps, one round, 160 slowed steps")
     p.add_argument("--quiet", type=float, default=0.3, help="wait (a little) for other processes to use fewer cores")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
+    p.add_argument("--out", default=os.path.join(HERE, "out"))
     p.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
     a = p.parse_args(argv)
     if a.quick:
         a.steps, a.reps, a.slow_steps = 120, 1, 160
     job = FitJob(model="mlp", steps=a.steps, threads=a.threads)
-    run = Runner(job, os.path.join(a.dir or tempfile.mkdtemp(prefix="bench_overhead-"), "run"), a.quiet)
+    workdir, fits = os.path.join(a.dir or tempfile.mkdtemp(prefix="bench_overhead-"), "run"), []
+    warm_up(job, workdir)
+
+    def run(name: str, contender: str, rep: int, fit_job: FitJob = job, **kw: Any) -> FitResult:
+        r, foreign = quiet_fit(fit_job, contender, workdir, a.quiet, retry=True, rep=rep, name=name, **kw)
+        r.counters["foreign_cores"] = foreign
+        fits.append(r)
+        return r
+
     ref = name_of(REFERENCE_BUDGET)
     k = settled_interval(run(ref, "ours", 0, budget=REFERENCE_BUDGET))  # first: the peers' k comes from it
     print(f"bench_overhead: adaptive 3.5 % applied a mean interval of k = {k} steps", flush=True)
-    peer_job = FitJob(**{**job.__dict__, "every": k})
+    peer_job = FitJob(**{**asdict(job), "every": k})
     order = [*(name_of(b) for b in BUDGETS if b != REFERENCE_BUDGET), "none", "mc_sync", "mc_async"]
     for rep in range(a.reps):
         for n in (order if rep % 2 == 0 else [ref, *order[::-1]]):
             budget = float(n[5:-1]) / 100 if n.startswith("ours_") else 0.0
-            run(n, "ours" if budget else n, rep, job=peer_job if n.startswith("mc") else job, budget=budget)
-    names = ["none", *(name_of(b) for b in BUDGETS), "mc_sync", "mc_async"]
-    summary = summarize(run.fits, names, k)
+            run(n, "ours" if budget else n, rep, peer_job if n.startswith("mc") else job, budget=budget)
+    summary = summarize(fits, ["none", *(name_of(b) for b in BUDGETS), "mc_sync", "mc_async"], k)
     slow = None
     if not a.no_slow:
         at = a.slow_steps // 2
-        mb_s = run.fits[-1].params * 12 / 1e6 / (a.slow_factor * k * summary["iteration_ms"] / 1e3)
-        r = run("ours_3.5%_slow", "ours", 0, job=FitJob(**{**job.__dict__, "steps": a.slow_steps}),
+        mb_s = fits[-1].params * 12 / 1e6 / (a.slow_factor * k * summary["iteration_ms"] / 1e3)
+        r = run("ours_3.5%_slow", "ours", 0, FitJob(**{**asdict(job), "steps": a.slow_steps}),
                 budget=REFERENCE_BUDGET, slow_at_step=at, slow_mb_s=mb_s)
         slow = slow_summary(r, at, mb_s)
-    text = markdown(summary, slow, a.steps, a.reps)
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "bench_overhead.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(a.out, "bench_overhead.json"), "w") as f:
-        json.dump({"summary": summary, "slowdown": slow, "fits": [r.as_json() for r in run.fits]}, f, indent=1)
-    print(text)
-    print(f"wrote {a.out}/bench_overhead.{{md,json}}")
+    write_report(a.out, "bench_overhead", markdown(summary, slow, a.steps, a.reps),
+                 {"summary": summary, "slowdown": slow, "fits": [r.as_json() for r in fits]})
 
 
 if __name__ == "__main__":

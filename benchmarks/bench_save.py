@@ -1,28 +1,13 @@
 """Save / restore benchmark: ckpt_engine against the physical limits and its peers, 1 and 2 ranks.
 
-One run measures, on the same replicated state and within the same processes:
-
-* physical limits: ``memmove`` of the rank's share into a warm preallocated buffer (one thread),
-  ``os.write`` + ``fsync`` of those bytes (one new file per rank per save), ``preadv`` of the
-  whole state back into a warm buffer (from the page cache: nothing is dropped);
-* ours: ``Checkpointer.save`` (the stall), until ``wait()`` returns (committed), ``load()``,
-  peak extra RSS. Each repetition times memcpy, raw write and our save back to back (the raw
-  write and our save in alternating order), so that limit and engine see the same machine; the
-  threaded copy limit is timed on both sides of every save, right before it and right after it;
-* peers: ``torch.save`` (+ ``fsync``) / ``torch.load`` on rank 0, Lightning's ``AsyncCheckpointIO``
-  on rank 0, ``torch.distributed.checkpoint`` ``save`` / ``async_save`` / ``load`` on every rank.
-
-Every rank is one process holding the full state (``torch.multiprocessing.spawn``, gloo on
-localhost for 2 ranks, no process group at all for 1). The harness sets ``torch.set_num_threads``
-to cores / ranks in each rank process; the library itself never changes it.
-
-Multi-level section (``_levels.py``): for the same state, time to durable on a local level 1 against
-writing straight to S3 (moto), and the training-side stall with one level and with two.
+What it measures, against which limits, peers and targets: ``benchmarks/README.md``, section bench_save.
+Every rank is one process holding the full state (gloo on loopback for 2 ranks), with
+``torch.set_num_threads(cores ÷ ranks)``; the slowest rank's figures are the job's.
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_save.py                  # 1 GiB, a few minutes
-    .venv/bin/python benchmarks/bench_save.py --size-mib 64    # smoke test, well under a minute
+    .venv/bin/python benchmarks/bench_save.py --levels-mib 0 --reps 10   # 1 GiB, 1 and 2 ranks
+    .venv/bin/python benchmarks/bench_save.py --size-mib 64 --reps 2 --peer-reps 1 --levels-mib 0   # quick
     .venv/bin/python benchmarks/bench_save.py --worlds none --levels-mib 64   # the multi-level section only
 """
 
@@ -30,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import gc
-import json
 import os
 import resource
 import shutil
@@ -45,28 +28,24 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import (HERE, MemProbe, Metrics, MiB, RankCtx, RawWriter, StateSpec, best_of, byte_view,  # noqa: E402
+                     empty_like_state, fsync_path, gbps, make_state, num, numbered, peer_rounds, read_into,
+                     run_stages, set_page_cache, share_slices, slowest, spawn_ranks, state_bytes, states_equal,
+                     steady_figures, timed, timed_save, verdict, write_report)
 from _levels import bench_levels  # noqa: E402
 from ckpt_engine.host import hugepages  # noqa: E402
-from _common import (MemProbe, Metrics, RankCtx, StateSpec, aligned_copy, best_of, byte_view,  # noqa: E402
-                     free_port, make_state, numbered, read_into, set_page_cache, share_slices, state_bytes,
-                     states_equal, summary, timed, timed_save, write_fsync)
-from _peers import bench_dcp_async, bench_dcp_save, bench_lightning, bench_torch_save, cold_and_warm_loads  # noqa: E402
-from _report import write_report  # noqa: E402
 
 KEEP_LAST = 1
-"""Checkpoints ours keeps (``keep_last``), and raw files the raw write keeps.
-
-On the VM this was written on (virtio-balloon with free page reporting), memory the guest has
-freed goes back to the host and costs a host fault per page when touched again, page cache
-included: a write that directly follows the deletion of a file of its size runs about 5x faster
-than one that needs fresh pages (0.6 s against 3 s per GiB, measured), and first touches of new
-buffers vary as much. With one file kept by both, and the raw write and our save alternating,
-each write from the third on follows the other's deletion. Peers write one new file per round
-and delete after their last round, so their first round follows the previous contender's cleanup.
-"""
+"""Checkpoints ours keeps, and raw files the raw writes keep (see ``RawWriter``)."""
+PEERS = {"torch_save": "torch.save", "lightning": "Lightning AsyncCheckpointIO",
+         "dcp_save": "DCP save", "dcp_async": "DCP async_save"}
+ORDER = ("memcpy", "memcpy_threads", "raw_write", "raw_write_direct", "raw_read", "ours", *PEERS)
+LOAD_PEERS = {"torch_save": "torch.load", "dcp_save": "DCP load"}
+MEM_SLACK_MIB = 4
+"""Allowance over the snapshot buffer for interpreter and metadata noise (manifest JSON, records)."""
+Agg = dict[str, dict[str, float]]
 
 
 @dataclass(frozen=True)
@@ -84,11 +63,10 @@ class Config:
     levels_reps: int = 6
 
 
-# ---- physical limits ------------------------------------------------------------------------------
+# ---- physical limits ---------------------------------------------------------------------------------
 def gather_share(ctx: RankCtx) -> tuple[torch.Tensor, Callable[[], None], Callable[[], None]]:
-    """A warm buffer of the rank's share of the state, the single-threaded copy that fills it, and
-    the same copy split over this rank's cores (``torch.get_num_threads()``: cores ÷ ranks), each
-    thread one run of about equal bytes (``ctypes.memmove`` releases the GIL)."""
+    """A warm buffer of the rank's share, the single-threaded copy that fills it, and the same copy split
+    over this rank's cores (``ctypes.memmove`` releases the GIL), each thread about equal bytes."""
     slices = share_slices(ctx.state, ctx.rank, ctx.world)
     buf = torch.zeros(sum(n for _, n in slices), dtype=torch.uint8)
     base = buf.data_ptr()
@@ -101,49 +79,18 @@ def gather_share(ctx: RankCtx) -> tuple[torch.Tensor, Callable[[], None], Callab
             offset, src, n = offset + take, src + take, n - take
     pool = ThreadPoolExecutor(len(runs))
 
-    def copy() -> None:
-        offset = 0
-        for src, n in slices:
-            ctypes.memmove(base + offset, src, n)
-            offset += n
-
     def copy_run(run: list[tuple[int, int, int]]) -> None:
         for dst, src, n in run:
             ctypes.memmove(dst, src, n)
+
+    def copy() -> None:
+        copy_run([run for r in runs for run in r])
 
     def copy_threads() -> None:
         list(pool.map(copy_run, runs))
 
     copy()
     return buf, copy, copy_threads
-
-
-class RawWriter:
-    """``os.write`` + ``fsync`` of the share to a new file per call; the oldest beyond ``KEEP_LAST``
-    is deleted after the write, as ours deletes after its commit (see ``KEEP_LAST`` for why)."""
-
-    def __init__(self, ctx: RankCtx, data: memoryview, direct: bool = False) -> None:
-        self.ctx, self.files, self.direct = ctx, [], direct
-        self.data = aligned_copy(data) if direct else data
-        self.tag = "rawd" if direct else "raw"
-
-    def write(self) -> float:
-        """Seconds to write and ``fsync`` one file."""
-        path = self.ctx.path(f"{self.tag}-{self.ctx.rank}-{len(self.files)}.bin")
-        seconds = timed(lambda: write_fsync(path, [self.data], self.direct))[0]
-        self.files.append(path)
-        if len(self.files) > KEEP_LAST:
-            os.unlink(self.files[-KEEP_LAST - 1])
-        return seconds
-
-    def finish(self) -> None:
-        """Leave only the newest file, as ``raw-<rank>.bin`` for the raw read."""
-        for path in self.files[-KEEP_LAST:-1]:
-            os.unlink(path)
-        if self.direct:
-            os.unlink(self.files[-1])
-        else:
-            os.replace(self.files[-1], self.ctx.path(f"raw-{self.ctx.rank}.bin"))
 
 
 def _plain_pages(n: int) -> torch.Tensor:
@@ -155,26 +102,22 @@ def _huge_pages(n: int) -> torch.Tensor:
 
 
 FRESH_MEMORY = (_plain_pages, _huge_pages)
-"""Fresh memory with 4 KiB pages and with huge pages: a restore's limit is the faster of the two."""
+"""Fresh memory with 4 KiB pages and with huge pages: a restore's limit reads into the faster."""
 
 
 def read_fresh(ctx: RankCtx, paths: list[str], nbytes: int, cold: bool,
                allocate: Callable[[int], torch.Tensor], verify_step: int | None = None) -> float:
-    """Seconds of one raw read of ``paths`` on the rank's cores (``torch.get_num_threads()`` threads)
-    into ``allocate(nbytes)``, fresh memory (its allocation timed, as a restore's own is), the files
-    first out of the page cache (``cold``) or in it; with ``verify_step``, each request of that many
-    bytes hashed after it lands (``read_into``: the floor of a verified read)."""
+    """Seconds of one raw read of ``paths`` on the rank's cores into ``allocate(nbytes)`` (allocation
+    timed, as a restore's own is), files out of the page cache (``cold``) or in it; ``verify_step``: each
+    request hashed as ``load()`` verifies."""
     ctx.before_load()
     set_page_cache(ctx, paths, cold)
     return timed(lambda: read_into(paths, byte_view(allocate(nbytes)), torch.get_num_threads(), verify_step))[0]
 
 
 def bench_raw_read(ctx: RankCtx) -> Metrics:
-    """The floor of restore: ``preadv`` every rank's raw file (the whole state) into a warm buffer
-    from the page cache (``load_s``), and into a freshly allocated buffer (restoring returns new
-    tensors, whose first-touch page faults a warm buffer does not pay) on the rank's cores, with the
-    files out of the page cache (``load_fresh_s``) and in it (``load_fresh_warm_s``).
-    """
+    """``preadv`` of every rank's raw file into a warm buffer from the page cache (``load_s``), and into
+    fresh memory cold (``load_fresh_s``) and warm (``load_fresh_warm_s``); best of 3 of each kind."""
     paths = [ctx.path(f"raw-{r}.bin") for r in range(ctx.world)]
     dest = torch.zeros(sum(os.path.getsize(p) for p in paths), dtype=torch.uint8)
     view = byte_view(dest)
@@ -188,20 +131,16 @@ def bench_raw_read(ctx: RankCtx) -> Metrics:
     return out
 
 
-# ---- ours, side by side with memcpy and raw write -------------------------------------------------
+# ---- ours, side by side with its limits --------------------------------------------------------------
 def bench_ours(ctx: RankCtx) -> dict[str, Metrics]:
-    """``reps`` saves of ``Checkpointer`` (stall, until committed, peak RSS growth), then ``load()``.
-
-    Each repetition first times the memcpy limit, then the raw writes and our save (bracketed by
-    the threaded copy limit), in rotating order: the disk of this machine changes speed by several times
-    with what was written and deleted just before (see ``KEEP_LAST``), so limits taken minutes
-    apart would not bound anything.
-    """
+    """``reps`` rounds, each: the memcpy limit, then the raw writes (buffered, ``O_DIRECT``) and our save
+    in rotating order, the threaded copy limit timed right before and right after each save (this disk
+    changes speed with what was written just before, and the machine drifts between saves); then the
+    restores. Also yields the limits' figures and leaves the raw files for the raw read."""
     from ckpt_engine import Checkpointer, LocalComm, TorchDistComm
 
     buf, copy, copy_threads = gather_share(ctx)
-    raw = RawWriter(ctx, byte_view(buf))
-    rawd = RawWriter(ctx, byte_view(buf), direct=True)  # the page cache bypassed, as ours writes
+    raw, rawd = RawWriter(ctx, byte_view(buf), keep=KEEP_LAST), RawWriter(ctx, byte_view(buf), True, KEEP_LAST)
     ck = Checkpointer(ctx.path("ours"), comm=TorchDistComm() if ctx.world > 1 else LocalComm(), keep_last=KEEP_LAST)
     probe, memcpy, memcpy_t, writes, dwrites, saves = MemProbe(), [], [], [], [], []
 
@@ -211,11 +150,6 @@ def bench_ours(ctx: RankCtx) -> dict[str, Metrics]:
         return memcpy_t[-1]
 
     def save() -> None:
-        # The copy limit of the same bytes is timed on both sides of every save: right before it and
-        # right after it (once committed and the retention done), and the save is judged against their
-        # mean. Which of the two runs first after a 1 GiB write moves their ratio here by up to 0.1
-        # (a probe of 2026-11-26), and the machine drifts between saves (the same copy took 96-161 ms within
-        # one run): the mean of both sides cancels a drift that is linear over the save.
         before = limit()
         ctx.barrier()
         probe.start(keep_baseline=bool(saves), trim=not saves)
@@ -224,18 +158,13 @@ def bench_ours(ctx: RankCtx) -> dict[str, Metrics]:
         saves.append({"stall_s": stall, "total_s": total, "mem_extra_bytes": probe.peak_extra(),
                       "snapshot_s": rec.snapshot_s, "persist_s": rec.persist_s, "commit_s": rec.commit_s,
                       "other_s": total - stall - rec.persist_s - rec.commit_s, "share_bytes": rec.bytes,
-                      "copy_before_s": before})
+                      "copy_before_s": before, "after_stall_s": total - stall})
         saves[-1]["copy_after_s"] = limit()
 
-    def write() -> None:
-        ctx.barrier()
-        writes.append(raw.write())
+    def write(writer: RawWriter, into: list[float]) -> Callable[[], None]:
+        return lambda: (ctx.barrier(), into.append(writer.write()))
 
-    def dwrite() -> None:
-        ctx.barrier()
-        dwrites.append(rawd.write())
-
-    order = (write, dwrite, save)
+    order = (write(raw, writes), write(rawd, dwrites), save)
     for step in range(ctx.reps):
         ctx.barrier()
         memcpy.append(timed(copy)[0])
@@ -249,22 +178,26 @@ def bench_ours(ctx: RankCtx) -> dict[str, Metrics]:
         loads.update(bench_routes(ctx))
     ck.close()
     ctx.remove("ours")
-    ours = _ours_metrics(saves, loads)
+    ours = {"stall_first_s": saves[0]["stall_s"], "total_first_s": saves[0]["total_s"],
+            "share_bytes": saves[0]["share_bytes"], **loads,
+            "mem_extra_bytes": max(s["mem_extra_bytes"] for s in saves),
+            **steady_figures(saves, ("stall_s", "total_s", "after_stall_s", "snapshot_s", "persist_s", "commit_s",
+                                     "other_s"))}
+    for i, rep in enumerate(saves, 1):
+        ours.update({f"rep{i}_{k}": v for k, v in rep.items() if k != "share_bytes"})
+    writes_of = {"raw_write": writes, "raw_write_direct": dwrites}
     return {"memcpy": {"stall_s": min(memcpy), "share_bytes": buf.numel(), **numbered(memcpy)},
             "memcpy_threads": {"stall_s": min(memcpy_t), "threads": torch.get_num_threads(), **numbered(memcpy_t)},
             "paired": {**paired_stalls(saves), **paired},
-            "raw_write": {"total_first_s": writes[0], "total_s": min(writes[1:] or writes), "bytes": buf.numel(),
-                          **numbered(writes)},
-            "raw_write_direct": {"total_first_s": dwrites[0], "total_s": min(dwrites[1:] or dwrites),
-                                 "bytes": buf.numel(), **numbered(dwrites)},
+            **{k: {"total_first_s": w[0], "total_s": min(w[1:] or w), "bytes": buf.numel(), **numbered(w)}
+               for k, w in writes_of.items()},
             "ours": ours}
 
 
 def paired_stalls(saves: list[Metrics]) -> Metrics:
-    """Each save's stall ÷ the mean of the copy limits timed right before and right after it, over
-    saves 2..N (all of them when there is one): the median (the target), and, informative, the
-    medians against the copy before and the copy after alone, and of the copy inside the save
-    alone (``snapshot_s``, without encoding, planning and hand-over) against the mean. Pure."""
+    """Each save's stall ÷ the mean of the copies timed right before and right after it, over saves 2..N:
+    the median (the target); informative, the medians against each side alone and of the copy inside
+    the save alone (``snapshot_s``) against the mean. Pure."""
     steady = saves[1:] or saves
 
     def median_vs(limit: Callable[[Metrics], float], key: str = "stall_s") -> float:
@@ -273,16 +206,26 @@ def paired_stalls(saves: list[Metrics]) -> Metrics:
     def mean(s: Metrics) -> float:
         return (s["copy_before_s"] + s["copy_after_s"]) / 2
 
-    return {"stall_vs_copy_median": median_vs(mean),
-            "snapshot_vs_copy_median": median_vs(mean, "snapshot_s"),
+    return {"stall_vs_copy_median": median_vs(mean), "snapshot_vs_copy_median": median_vs(mean, "snapshot_s"),
             "stall_vs_copy_median_before": median_vs(lambda s: s["copy_before_s"]),
-            "stall_vs_copy_median_after": median_vs(lambda s: s["copy_after_s"]),
-            "pairs": float(len(steady))}
+            "stall_vs_copy_median_after": median_vs(lambda s: s["copy_after_s"]), "pairs": float(len(steady))}
+
+
+def cold_and_warm_loads(ctx: RankCtx, paths: list[str], load: Callable[[], Any]) -> Metrics:
+    """``load()`` timed with ``paths`` out of the page cache (``load_s``), then in it (``load_warm_s``),
+    each from freshly freed memory; ``load_ok``: both bit-exact."""
+    out: Metrics = {"load_ok": 1.0}
+    for key, cold in (("load_s", True), ("load_warm_s", False)):
+        ctx.before_load()
+        set_page_cache(ctx, paths, cold)
+        out[key], loaded = timed(load)
+        out["load_ok"] = min(out["load_ok"], float(states_equal(loaded, ctx.state)))
+        del loaded
+    return out
 
 
 def best_loads(ctx: RankCtx, paths: list[str], load: Callable[[], Any]) -> Metrics:
-    """Fastest of ``ctx.peer_reps`` cold and warm restores each (as many as each peer gets), and
-    whether all were bit-exact (``load_ok``)."""
+    """Fastest of ``ctx.peer_reps`` cold and warm restores each (as many as each peer gets)."""
     best: Metrics = {}
     for _ in range(ctx.peer_reps):
         for key, value in cold_and_warm_loads(ctx, paths, load).items():
@@ -291,10 +234,8 @@ def best_loads(ctx: RankCtx, paths: list[str], load: Callable[[], Any]) -> Metri
 
 
 def faster_memory(ctx: RankCtx, paths: list[str], nbytes: int, reads: int = 5) -> Callable[[int], torch.Tensor]:
-    """The kind of fresh memory (``FRESH_MEMORY``) a warm raw read of ``paths`` fills faster: the lower
-    median of ``reads`` reads of each, alternated, summed over the ranks so that all of them read
-    into the same kind (with 3 reads each and no agreement, one rank of a run picked 4 KiB pages,
-    3-5 x slower here, and its restore target read 2.6 x)."""
+    """The kind of fresh memory a warm raw read of ``paths`` fills faster: the lower median of ``reads``
+    reads of each, alternated, summed over the ranks so that all of them read into the same kind."""
     times: dict[Callable[[int], torch.Tensor], list[float]] = {a: [] for a in FRESH_MEMORY}
     for _ in range(reads):
         for allocate in FRESH_MEMORY:
@@ -306,29 +247,17 @@ def faster_memory(ctx: RankCtx, paths: list[str], nbytes: int, reads: int = 5) -
 
 
 def paired_restores(ctx: RankCtx, load: Callable[[], Any]) -> Metrics:
-    """The restore target, robust to this machine's drift: ``ctx.reps`` rounds, each timing our
-    ``load()``, a raw read of every rank's raw file (the same bytes) on the rank's cores
-    (``read_fresh``) and the same read verified as ``load()`` verifies (each 1 MiB request hashed
-    with xxh3 after it lands: ``LocalReader.verify_step``), into freshly allocated memory of the
-    kind (``FRESH_MEMORY``: 4 KiB or huge pages) that read faster before the rounds
-    (``restore_raw_huge_pages``: 1 for huge pages), right after each other in an order that
-    rotates from round to round, cold and warm. Per cache: the median of the rounds' time ratios
-    ours ÷ raw (``restore_vs_raw_<cache>_median``, the target), ours ÷ verified raw
-    (``..._vs_verified_...``) and verified ÷ raw (``verified_vs_raw_<cache>_median``: the most a
-    read that checks every byte gets of the raw read here, the cap of the target); each round's
-    times (``restore_<cache>_<round>_{ours,raw,verified}_s``) and the median of our load's minor
-    page faults (``restore_<cache>_minor_faults_median``; 262144 would be 1 GiB of fresh 4 KiB
-    pages: fewer means the allocator handed back memory it had kept).
-
-    A cold read on this VM takes 0.5 to 3.4 s/GiB from one moment to the next, so two best-of
-    figures taken minutes apart (``load_s`` against ``raw_read.load_fresh_s``) say more about
-    which of them was lucky than about the engine.
-    """
+    """The restore target, robust to this machine's drift (a cold read takes 0.5-3.4 s/GiB from one moment
+    to the next): ``ctx.reps`` rounds, cold then warm, each timing our ``load()``, a raw read of the same
+    bytes (``read_fresh``) and that read verified as ``load()`` verifies, into the kind of fresh memory
+    that read faster before the rounds, in an order rotating by round. Per cache the medians of the
+    rounds' ratios ours ÷ raw (the target), ours ÷ verified and verified ÷ raw (the cap), each round's
+    times and the median of our load's minor page faults."""
     from ckpt_engine.storage.local import LocalReader
 
     raw = [ctx.path(f"raw-{r}.bin") for r in range(ctx.world)]
     nbytes = sum(os.path.getsize(p) for p in raw)
-    minflt: dict[bool, list[int]] = {True: [], False: []}  # our load's minor page faults, by ``cold``
+    minflt: dict[bool, list[int]] = {True: [], False: []}
 
     def ours(cold: bool) -> float:
         ctx.before_load()
@@ -339,36 +268,28 @@ def paired_restores(ctx: RankCtx, load: Callable[[], Any]) -> Metrics:
         del loaded
         return seconds
 
-    # Every round times one raw read against one load, into the kind of fresh memory chosen once,
-    # here. Runs up to 2026-11-26 took the faster of a 4 KiB and a huge-page read in every round, a best of two
-    # against a single load: a stall of the raw read counted only where it hit both of its reads (even
-    # so, warm raw reads 2-5 times slower than usual in 2 of 10 rounds per run; ours in 2-6 of 10).
     kind = faster_memory(ctx, raw, nbytes)
     contenders: dict[str, Callable[[bool], float]] = {
-        "raw": lambda cold: read_fresh(ctx, raw, nbytes, cold, kind),
-        "ours": ours,
-        "verified": lambda cold: read_fresh(ctx, raw, nbytes, cold, kind, LocalReader.verify_step),
-    }
+        "raw": lambda cold: read_fresh(ctx, raw, nbytes, cold, kind), "ours": ours,
+        "verified": lambda cold: read_fresh(ctx, raw, nbytes, cold, kind, LocalReader.verify_step)}
     names = list(contenders)
     out: Metrics = {"restore_raw_huge_pages": float(kind is _huge_pages)}
     for cache, cold in (("cold", True), ("warm", False)):
         rounds: list[dict[str, float]] = []
         for i in range(ctx.reps):
-            turn = names[i % 3:] + names[:i % 3]  # each contender first, second and third in turn
-            rounds.append({name: contenders[name](cold) for name in turn})
+            rounds.append({name: contenders[name](cold) for name in names[i % 3:] + names[:i % 3]})
             out.update({f"restore_{cache}_{i + 1}_{name}_s": t for name, t in rounds[-1].items()})
-        for key, (num, den) in {f"restore_vs_raw_{cache}_median": ("ours", "raw"),
-                                f"restore_vs_verified_{cache}_median": ("ours", "verified"),
-                                f"verified_vs_raw_{cache}_median": ("verified", "raw")}.items():
-            out[key] = statistics.median(r[num] / r[den] for r in rounds)
+        for key, (a, b) in {f"restore_vs_raw_{cache}_median": ("ours", "raw"),
+                            f"restore_vs_verified_{cache}_median": ("ours", "verified"),
+                            f"verified_vs_raw_{cache}_median": ("verified", "raw")}.items():
+            out[key] = statistics.median(r[a] / r[b] for r in rounds)
         out[f"restore_{cache}_minor_faults_median"] = statistics.median(minflt[cold])
     return out
 
 
 def bench_routes(ctx: RankCtx) -> Metrics:
-    """The collective ``restore()`` from a cold page cache by each route (restore_exchange.py):
-    ``restore_<route>_s`` (best of ``peer_reps``, a new ``Checkpointer`` each, so ``auto``
-    measures every time) and what ``auto`` chose (``auto_exchanged``: 1 when it exchanged)."""
+    """The collective ``restore()`` from a cold page cache by each route (best of ``peer_reps``, a new
+    ``Checkpointer`` each) and what ``auto`` chose (``auto_exchanged``: 1 when it exchanged)."""
     from ckpt_engine import Checkpointer, TorchDistComm
 
     out: Metrics = {}
@@ -378,10 +299,8 @@ def bench_routes(ctx: RankCtx) -> Metrics:
             ctx.before_load()
             set_page_cache(ctx, [ctx.path("ours")], cold=True)
             seconds, restored = timed(ck.restore)
-            ok = states_equal(restored.state, ctx.state)
-            key = f"restore_{route}_s"
-            out[key] = min(out.get(key, seconds), seconds)
-            out["load_ok"] = min(out.get("load_ok", 1.0), float(ok))
+            out[f"restore_{route}_s"] = min(out.get(f"restore_{route}_s", seconds), seconds)
+            out["load_ok"] = min(out.get("load_ok", 1.0), float(states_equal(restored.state, ctx.state)))
             if route == "auto" and ck.restore_figures is not None:
                 out["auto_exchanged"] = float(ck.restore_figures.route.endswith("exchange"))
                 out.update({f"auto_{k}": v for k, v in ck.restore_figures.measured.items()})
@@ -390,143 +309,337 @@ def bench_routes(ctx: RankCtx) -> Metrics:
     return out
 
 
-def _ours_metrics(reps: list[Metrics], loads: Metrics) -> Metrics:
-    """First save, steady state (best of reps 2..N), medians, and each repetition's figures.
+# ---- the peers ---------------------------------------------------------------------------------------
+def _saved(ctx: RankCtx, save: Callable[[], Any], rank0: bool = False) -> Metrics:
+    """One save of a peer: its stall = time to durable, and peak RSS (on rank 0 only with ``rank0``)."""
+    ctx.barrier()
+    if rank0 and ctx.rank:
+        return {}
+    probe = MemProbe().start(trim=ctx.cold)
+    seconds = timed(save)[0]
+    return {"stall_s": seconds, "total_s": seconds, "mem_extra_bytes": probe.peak_extra()}
 
-    ``other_s`` is the part of the time to ``wait()`` outside snapshot, data write and commit:
-    the index file, retention of older checkpoints (rank 0) and waiting for the commit (others).
-    ``after_stall_s``: from the end of ``save()`` until committed, the background phase the raw
-    write is compared with (the stall is compared with memcpy).
-    """
-    steady = reps[1:] or reps
-    for r in reps:
-        r["after_stall_s"] = r["total_s"] - r["stall_s"]
-    out: Metrics = {"stall_first_s": reps[0]["stall_s"], "total_first_s": reps[0]["total_s"],
-                    "share_bytes": reps[0]["share_bytes"], **loads,
-                    "mem_extra_bytes": max(r["mem_extra_bytes"] for r in reps)}
-    for key in ("stall_s", "total_s", "after_stall_s", "snapshot_s", "persist_s", "commit_s", "other_s"):
-        stats = summary([r[key] for r in steady])
-        out[key], out[key.replace("_s", "_median_s")] = stats["min"], stats["median"]
-    for i, rep in enumerate(reps, 1):
-        out.update({f"rep{i}_{k}": v for k, v in rep.items() if k != "share_bytes"})
+
+def bench_torch_save(ctx: RankCtx) -> Metrics:
+    """``torch.save`` + ``fsync`` on rank 0 (it writes everything); ``torch.load`` on every rank."""
+    def one(path: str) -> Metrics:
+        def save() -> None:
+            with open(path, "wb") as f:
+                torch.save(ctx.state, f)
+                f.flush()
+                os.fsync(f.fileno())
+
+        return {**_saved(ctx, save, rank0=True),
+                **cold_and_warm_loads(ctx, [path], lambda: torch.load(path, weights_only=True))}
+
+    return peer_rounds(ctx, "torch.pt", one)
+
+
+def bench_lightning(ctx: RankCtx) -> Metrics:
+    """``AsyncCheckpointIO(TorchCheckpointIO())`` on rank 0, as Lightning saves under DDP: the stall is
+    the ``save_checkpoint`` call (it clones every tensor), the total adds ``teardown()`` and an ``fsync``
+    (Lightning does not sync; ``fsync_s`` apart)."""
+    def one(path: str) -> Metrics:
+        ctx.barrier()
+        if ctx.rank:
+            return {}
+        from pytorch_lightning.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+
+        io, probe = AsyncCheckpointIO(TorchCheckpointIO()), MemProbe().start(trim=ctx.cold)
+        out = {"stall_s": timed(lambda: io.save_checkpoint(ctx.state, path))[0]}
+        teardown_s = timed(io.teardown)[0]
+        out["fsync_s"] = timed(lambda: fsync_path(path))[0]
+        return {**out, "total_s": out["stall_s"] + teardown_s + out["fsync_s"], "mem_extra_bytes": probe.peak_extra()}
+
+    return peer_rounds(ctx, "lightning.ckpt", one)
+
+
+def bench_dcp_save(ctx: RankCtx) -> Metrics:
+    """``torch.distributed.checkpoint.save`` (synchronous, every rank) and ``load`` into fresh tensors."""
+    import torch.distributed.checkpoint as dcp
+
+    def load(path: str) -> Any:
+        target = empty_like_state(ctx.state)
+        dcp.load(target, checkpoint_id=path)
+        return target
+
+    return peer_rounds(ctx, "dcp-sync", lambda path: {
+        **_saved(ctx, lambda: dcp.save(ctx.state, checkpoint_id=path)),
+        **cold_and_warm_loads(ctx, [path], lambda: load(path))})
+
+
+def bench_dcp_async(ctx: RankCtx) -> Metrics:
+    """``dcp.async_save``: stall until the future is returned, total until it resolves."""
+    import torch.distributed.checkpoint as dcp
+
+    def one(path: str) -> Metrics:
+        ctx.barrier()
+        probe = MemProbe().start(trim=ctx.cold)
+        stall, future = timed(lambda: dcp.async_save(ctx.state, checkpoint_id=path))
+        return {"stall_s": stall, "total_s": stall + timed(future.result)[0], "mem_extra_bytes": probe.peak_extra()}
+
+    return peer_rounds(ctx, "dcp-async", one)
+
+
+# ---- rows and targets --------------------------------------------------------------------------------
+@dataclass
+class Row:
+    """One line of the table: a figure of ours next to its physical limit and its best peer."""
+
+    world: str
+    metric: str
+    unit: str
+    ours: float
+    limit: float
+    limit_name: str
+    peer: float | None
+    peer_name: str
+    target: str
+    passed: bool | None
+
+    @property
+    def vs_limit(self) -> float:
+        """Ours ÷ the limit."""
+        return self.ours / self.limit if self.limit else float("nan")
+
+    @property
+    def vs_peer(self) -> float:
+        """Ours ÷ the best peer."""
+        return self.ours / self.peer if self.peer else float("nan")
+
+
+Check = tuple[str, Callable[[float, float], bool] | None]
+INFO: Check = ("info", None)
+AT_MOST_110: Check = ("≤ 1.10 × limit", lambda o, lim: o <= 1.10 * lim)
+AT_LEAST_090: Check = ("≥ 0.90 × limit", lambda o, lim: o >= 0.90 * lim)
+SAME = ("same bytes, same moment", 1.0)
+
+
+def _row(w: str, metric: str, unit: str, ours: float, limit: tuple[str, float], peers: dict[str, float] | None = None,
+         lower_is_better: bool = True, check: Check = INFO) -> Row:
+    """A row whose check's test ``(ours, limit)`` decides PASS/FAIL (``None``: informative only)."""
+    peers = peers or {}
+    best = (min if lower_is_better else max)(peers, key=peers.__getitem__) if peers else "-"
+    return Row(w, metric, unit, ours, limit[1], limit[0], peers.get(best), best, check[0],
+               None if check[1] is None else check[1](ours, limit[1]))
+
+
+def world_rows(world: int, agg: Agg) -> list[Row]:
+    """Stall, time to committed, persist, restore and memory rows of one world size."""
+    w, ours, total, share = str(world), agg["ours"], agg["state"]["bytes"], agg["ours"]["share_bytes"]
+    persist_ratio = paired_persist(agg)
+    peers = {k: {PEERS[p]: f(agg[p]) for p in PEERS if key in agg[p]} for k, key, f in (
+        ("stall", "stall_s", lambda m: m["stall_s"] * 1e3), ("total", "total_s", lambda m: m["total_s"]),
+        ("gbps", "total_s", lambda m: gbps(total // world, m["total_s"])),
+        ("mem", "mem_extra_bytes", lambda m: m["mem_extra_bytes"] / MiB))}
+    copies = [("memcpy of share, 1 thread", agg["memcpy"]["stall_s"] * 1e3)]
+    if "memcpy_threads" in agg:  # the same bytes split over the rank's cores
+        n = int(agg["memcpy_threads"]["threads"])
+        copies.append((f"memcpy of share, {n} thread{'s' if n > 1 else ''}", agg["memcpy_threads"]["stall_s"] * 1e3))
+    memcpy = min(copies, key=lambda c: c[1])
+    kinds = [("raw write+fsync", agg["raw_write"])] + (
+        [("raw O_DIRECT write+fsync", agg["raw_write_direct"])] if "raw_write_direct" in agg else [])
+    raw_name, raw_w = min(kinds, key=lambda k: k[1]["total_s"])
+    first_name, raw_first = min(kinds, key=lambda k: k[1]["total_first_s"])
+    return [
+        _row(w, "stall, steady state (best of saves 2..N)", "ms", ours["stall_s"] * 1e3, memcpy, peers["stall"]),
+        *paired_stall(w, agg),
+        _row(w, "stall, first save", "ms", ours["stall_first_s"] * 1e3, memcpy, peers["stall"]),
+        _row(w, "time to committed (steady)", "s", ours["total_s"], (raw_name, raw_w["total_s"]), peers["total"]),
+        _row(w, "time to committed, first save", "s", ours["total_first_s"],
+             (f"{first_name}, first", raw_first["total_first_s"])),
+        _row(w, "persist throughput of rank share (after the stall)", "GB/s",
+             gbps(share, ours.get("after_stall_s", ours["total_s"])),
+             (raw_name, gbps(raw_w["bytes"], raw_w["total_s"])),
+             peers["gbps"], False, INFO if persist_ratio is not None else AT_LEAST_090),
+        *paired_persist_rows(w, persist_ratio),
+        *restore_rows(w, agg, total),
+        _row(w, "peak extra host memory (1 in-flight snapshot)", "MiB", ours["mem_extra_bytes"] / MiB,
+             ("rank share", share / MiB), peers["mem"], True,
+             (f"≤ 1.00 × limit + {MEM_SLACK_MIB} MiB", lambda o, lim: o <= lim + MEM_SLACK_MIB)),
+    ]
+
+
+def paired_stall(w: str, agg: Agg) -> list[Row]:
+    """The stall target: the median over saves 2..N of each stall ÷ the mean of the threaded copies timed
+    right before and right after it (slowest rank), with each side's median and the copy alone beside it."""
+    paired = agg.get("paired")
+    if paired is None:
+        return []
+    n = int(paired["pairs"])
+    alone = f"alone ({n} save{'s' if n != 1 else ''})"
+    return [_row(w, "stall ÷ copy on the rank's cores on both sides of it (their mean, median of saves 2..N)", "×",
+                 paired["stall_vs_copy_median"], SAME, check=AT_MOST_110),
+            _row(w, f"of which against the copy right before the save {alone}", "×",
+                 paired["stall_vs_copy_median_before"], SAME),
+            _row(w, f"of which against the copy right after it {alone}", "×",
+                 paired["stall_vs_copy_median_after"], SAME),
+            _row(w, "of which the copy alone (the snapshot inside `save()`: no encoding, planning or hand-over) ÷ the "
+                    "same mean", "×", paired["snapshot_vs_copy_median"], SAME)]
+
+
+def persist_ratios(agg: Agg) -> list[float]:
+    """The persist target's pairs: per round 2..N, the faster raw write + fsync of the round (buffered or
+    ``O_DIRECT``) ÷ our time after the stall in that round; empty without per-round figures. Pure."""
+    ours, buffered, direct = agg["ours"], agg.get("raw_write", {}), agg.get("raw_write_direct", {})
+    out, i = [], 2
+    while f"rep{i}_after_stall_s" in ours:
+        if f"rep{i}_s" in buffered and f"rep{i}_s" in direct:
+            out.append(min(buffered[f"rep{i}_s"], direct[f"rep{i}_s"]) / ours[f"rep{i}_after_stall_s"])
+        i += 1
     return out
 
 
-def _alone(name: str, fn: Callable[[RankCtx], Metrics]) -> Callable[[RankCtx], dict[str, Metrics]]:
-    return lambda ctx: {name: fn(ctx)}
+def paired_persist(agg: Agg) -> float | None:
+    """The persist target: the median of :func:`persist_ratios` (``None`` without per-round figures)."""
+    ratios = persist_ratios(agg)
+    return statistics.median(ratios) if ratios else None
 
 
-STAGES: tuple[Callable[[RankCtx], dict[str, Metrics]], ...] = (
-    bench_ours,  # also yields "memcpy" and "raw_write", and leaves the raw files for the raw read
-    _alone("raw_read", bench_raw_read),
-    _alone("torch_save", bench_torch_save),
-    _alone("lightning", bench_lightning),
-    _alone("dcp_save", bench_dcp_save),
-    _alone("dcp_async", bench_dcp_async),
-)
+def paired_persist_rows(w: str, ratio: float | None) -> list[Row]:
+    """The row of :func:`paired_persist`'s ``ratio``, when the run has its figures."""
+    return [] if ratio is None else [_row(w, "persist ÷ raw write + fsync of the same round (median of saves 2..N)",
+                                          "×", ratio, ("same bytes, same round", 1.0), None, False, AT_LEAST_090)]
 
 
-# ---- processes ------------------------------------------------------------------------------------
+def restore_rows(w: str, agg: Agg, total: int) -> list[Row]:
+    """``load()`` cold and warm: against the raw read into fresh memory (paired by round: the target;
+    best of rounds: informative), the verified raw read and ``torch.load``; with several ranks, the
+    collective ``restore()`` by each route."""
+    ours, raw_r, paired, rows = agg["ours"], agg["raw_read"], agg.get("paired", {}), []
+    for cache, key, raw_key in (("cold", "load_s", "load_fresh_s"), ("warm", "load_warm_s", "load_fresh_warm_s")):
+        if key not in ours or raw_key not in raw_r:
+            continue
+        peers = {f"{LOAD_PEERS[p]} ({cache})": gbps(total, agg[p][key]) for p in LOAD_PEERS if key in agg[p]}
+        ratio = paired.get(f"restore_vs_raw_{cache}_median")
+        rows.append(_row(w, f"restore throughput, {cache} page cache (best of rounds)", "GB/s", gbps(total, ours[key]),
+                         (f"raw read into fresh buffer ({cache})", gbps(raw_r["bytes"], raw_r[raw_key])), peers,
+                         False, INFO if ratio is not None else AT_LEAST_090))
+        if ratio is not None:
+            rows.append(_row(w, f"restore ÷ raw read into fresh memory just before or after it, {cache} (median of "
+                                "rounds)", "×", 1 / ratio, SAME, None, False, AT_LEAST_090))
+        cap, verified = paired.get(f"verified_vs_raw_{cache}_median"), paired.get(f"restore_vs_verified_{cache}_median")
+        if cap is not None and verified is not None:
+            rows += [_row(w, f"raw read + xxh3 of every MiB ÷ raw read, {cache}: the most a verified restore reaches "
+                             "(median of rounds)", "×", 1 / cap, SAME, None, False),
+                     _row(w, f"restore ÷ raw read + xxh3 of every MiB, {cache} (median of rounds)", "×", 1 / verified,
+                          SAME, None, False)]
+        rows.append(_row(w, f"restore throughput ÷ torch.load, {cache}", "GB/s", gbps(total, ours[key]),
+                         (f"torch.load ({cache})", gbps(total, agg["torch_save"][key])), peers, False,
+                         ("≥ 1.00 × torch.load", lambda o, lim: o >= lim)))
+    rows.append(_row(w, "restore throughput vs raw read into a warm buffer", "GB/s",
+                     gbps(total, ours.get("load_warm_s", ours["load_s"])),
+                     ("raw read (page cache, warm buffer)", gbps(raw_r["bytes"], raw_r["load_s"])), None, False))
+    if "restore_exchange_s" in ours:
+        chose = "exchange" if ours.get("auto_exchanged") else "read"
+        rows.append(_row(w, "collective restore, cold: each rank reads 1/N + exchange", "GB/s",
+                         gbps(total, ours["restore_exchange_s"]),
+                         ("every rank reads everything", gbps(total, ours["restore_read_s"])),
+                         {f"auto (chose {chose})": gbps(total, ours["restore_auto_s"])}, False))
+    return rows
+
+
+def fastest_copy(agg: Agg) -> float:
+    """Seconds of the rank's fastest copy of its share: one ``memmove``, or split over its cores."""
+    return min(agg[k]["stall_s"] for k in ("memcpy", "memcpy_threads") if k in agg)
+
+
+def scaling_row(one: Agg, two: Agg) -> Row:
+    """2-rank slowest-rank stall ÷ 1-rank stall, against the same scaling of the machine's fastest copy
+    of each rank's share (a single rank already copies on every core, so a stall scales as that copy)."""
+    peers = {PEERS[p]: two[p]["stall_s"] / one[p]["stall_s"] for p in PEERS if "stall_s" in one[p]}
+    return _row("2 vs 1", "stall scaling (2-rank slowest ÷ 1-rank)", "×",
+                two["ours"]["stall_s"] / one["ours"]["stall_s"],
+                ("fastest copy's scaling", fastest_copy(two) / fastest_copy(one)), peers, True, AT_MOST_110)
+
+
+def markdown(rows: list[Row], worlds: dict[int, dict[str, Any]], config: dict[str, Any]) -> str:
+    """The headline table, then every contender's raw figures per world size."""
+    lines = [f"# bench_save: {config['size_mib']} MiB state, {config['cpu_count']} cores, torch {config['torch']}",
+             "", "Slowest rank of each world size; the method, limits and targets: benchmarks/README.md.", "",
+             "| ranks | metric | unit | ours | physical limit | ours ÷ limit | best peer | ours ÷ best peer "
+             "| target | result |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r.world} | {r.metric} | {r.unit} | {num(r.ours)} | {r.limit_name}: {num(r.limit)} "
+              f"| {num(r.vs_limit)} | {r.peer_name}: {num(r.peer)} | {num(r.vs_peer)} | {r.target} "
+              f"| {verdict(r.passed)} |" for r in rows]
+    lines += ["", "| ranks | contender | stall ms | to durable s | restore s (cold) | restore s (warm) "
+              "| extra RSS MiB | restore bit-exact |", "|---|---|---|---|---|---|---|---|"]
+    for w, res in worlds.items():
+        for name in ORDER:
+            m = res["slowest"].get(name, {})
+            ok = {1.0: "yes", 0.0: "NO"}.get(m.get("load_ok", -1), "-")
+            lines.append(f"| {w} | {name} | {num(m['stall_s'] * 1e3 if 'stall_s' in m else None)} "
+                         f"| {num(m.get('total_s'))} | {num(m.get('load_s'))} | {num(m.get('load_warm_s'))} "
+                         f"| {num(m['mem_extra_bytes'] / MiB if 'mem_extra_bytes' in m else None)} | {ok} |")
+            if "load_fresh_s" in m:
+                lines.append(f"| {w} | {name} (into fresh buffer) | - | - | {num(m['load_fresh_s'])} "
+                             f"| {num(m.get('load_fresh_warm_s'))} | - | - |")
+            lines += [f"| {w} | {name} restore(), route {route} | - | - | {num(m[f'restore_{route}_s'])} | - | - | - |"
+                      for route in ("read", "exchange", "auto") if f"restore_{route}_s" in m]
+    return "\n".join(lines) + "\n"
+
+
+def _finite(x: float) -> float | None:
+    return x if x == x and abs(x) != float("inf") else None
+
+
+# ---- processes ---------------------------------------------------------------------------------------
 def rank_main(rank: int, world: int, cfg: Config, workdir: str, port: int) -> None:
-    """One rank: build the state, run every stage in turn, write ``rank-<r>.json``."""
+    """One rank: build the state, run ours and every peer in turn, write ``rank-<r>.json``."""
     warnings.filterwarnings("ignore")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world)
     ctx = RankCtx(rank, world, make_state(StateSpec(cfg.size_mib)), workdir, cfg.reps, cfg.peer_reps)
-    results: dict[str, Metrics] = {}
-    for stage in STAGES:
-        elapsed, produced = timed(lambda: stage(ctx))
-        for name, metrics in produced.items():
-            results[name] = {**metrics, "stage_s": elapsed}
-        gc.collect()
-    results["state"] = {"bytes": state_bytes(ctx.state), "threads": torch.get_num_threads()}
-    with open(os.path.join(workdir, f"rank-{rank}.json"), "w") as f:
-        json.dump(results, f)
-    if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-def spawn_ranks(main: Any, world: int, cfg: Any) -> list[dict]:
-    """Run ``main(rank, world, cfg, workdir, port)`` in ``world`` processes; each rank's ``rank-N.json``."""
-    workdir = os.path.join(cfg.dir, f"world{world}")
-    os.makedirs(workdir, exist_ok=True)
-    mp.spawn(main, args=(world, cfg, workdir, free_port()), nprocs=world, join=True)
-    ranks = []
-    for r in range(world):
-        with open(os.path.join(workdir, f"rank-{r}.json")) as f:
-            ranks.append(json.load(f))
-    return ranks
-
-
-def run_world(world: int, cfg: Config) -> dict[str, Any]:
-    """Spawn ``world`` rank processes; return every rank's figures and their slowest-rank merge."""
-    ranks = spawn_ranks(rank_main, world, cfg)
-    return {"ranks": ranks, "slowest": _slowest(ranks)}
-
-
-def _slowest(ranks: list[dict[str, Metrics]]) -> dict[str, Metrics]:
-    """Per contender and figure, the largest value any rank reported (times, bytes, memory), and
-    the smallest for ``load_ok`` (a single rank's bad load fails the check)."""
-    merged: dict[str, Metrics] = {}
-    for name in ranks[0]:
-        merged[name] = {}
-        for r in ranks:
-            for key, value in r.get(name, {}).items():
-                pick = min if key == "load_ok" else max
-                merged[name][key] = pick(merged[name].get(key, value), value)
-    return merged
-
-
-def parse_args(argv: list[str] | None = None) -> Config:
-    """Command line → :class:`Config` (the working directory is created here)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size-mib", type=int, default=1024, help="state size in MiB (default 1024)")
-    p.add_argument("--out", default=os.path.join(here, "out"), help="report directory (default benchmarks/out)")
-    p.add_argument("--dir", default=None,
-                   help="where checkpoints are written: a fresh temp dir is made inside it (default /tmp)")
-    p.add_argument("--reps", type=int, default=3, help="saves of ours per world size (default 3)")
-    p.add_argument("--peer-reps", type=int, default=2, help="rounds of each peer, best kept (default 2)")
-    p.add_argument("--worlds", default="1,2", help="rank counts to run (default 1,2)")
-    p.add_argument("--keep", action="store_true", help="keep the working directory (each rank's raw JSON)")
-    p.add_argument("--levels-mib", type=int, default=64,
-                   help="state size of the multi-level section (local level + S3 on moto); 0 skips it (default 64)")
-    p.add_argument("--levels-reps", type=int, default=6, help="saves per set-up in the multi-level section (default 6)")
-    a = p.parse_args(argv)
-    if min(a.size_mib, a.reps, a.peer_reps) < 1:
-        p.error(f"--size-mib, --reps and --peer-reps must be >= 1, got {a.size_mib}, {a.reps}, {a.peer_reps}")
-    worlds = () if a.worlds == "none" else tuple(int(w) for w in a.worlds.split(","))
-    if any(w < 1 for w in worlds):
-        p.error(f"--worlds must list positive rank counts, got {a.worlds!r}")
-    workdir = tempfile.mkdtemp(prefix="bench_save-", dir=a.dir or "/tmp")
-    return Config(a.size_mib, a.out, workdir, a.reps, a.peer_reps, worlds, a.keep, a.levels_mib, a.levels_reps)
+    peers = {"raw_read": bench_raw_read, "torch_save": bench_torch_save, "lightning": bench_lightning,
+             "dcp_save": bench_dcp_save, "dcp_async": bench_dcp_async}
+    run_stages(ctx, [lambda: bench_ours(ctx), *((lambda n=n, f=f: {n: f(ctx)}) for n, f in peers.items())],
+               os.path.join(workdir, f"rank-{rank}.json"),
+               state={"bytes": state_bytes(ctx.state), "threads": torch.get_num_threads()})
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_args(argv)
-    levels: dict[str, Any] = {}
-    levels_md = ""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size-mib", type=int, default=1024, help="state size in MiB (default 1024)")
+    p.add_argument("--out", default=os.path.join(HERE, "out"), help="report directory (default benchmarks/out)")
+    p.add_argument("--dir", default="/tmp", help="a fresh temp dir for the checkpoints is made inside it")
+    p.add_argument("--reps", type=int, default=3, help="saves of ours per world size (default 3)")
+    p.add_argument("--peer-reps", type=int, default=2, help="rounds of each peer, best kept (default 2)")
+    p.add_argument("--worlds", default="1,2", help="rank counts to run, or none (default 1,2)")
+    p.add_argument("--keep", action="store_true", help="keep the working directory (each rank's raw JSON)")
+    p.add_argument("--levels-mib", type=int, default=64, help="state of the multi-level section; 0 skips it")
+    p.add_argument("--levels-reps", type=int, default=6, help="saves per set-up in the multi-level section")
+    a = p.parse_args(argv)
+    worlds = () if a.worlds == "none" else tuple(int(w) for w in a.worlds.split(","))
+    if min(a.size_mib, a.reps, a.peer_reps, *worlds) < 1:
+        p.error("--size-mib, --reps, --peer-reps and every rank count of --worlds must be >= 1")
+    cfg = Config(a.size_mib, a.out, tempfile.mkdtemp(prefix="bench_save-", dir=a.dir), a.reps, a.peer_reps, worlds,
+                 a.keep, a.levels_mib, a.levels_reps)
+    levels, levels_md = {}, ""
     try:
-        worlds = {w: run_world(w, cfg) for w in cfg.worlds}
+        results = {}
+        for w in cfg.worlds:
+            ranks = spawn_ranks(rank_main, w, cfg)
+            results[w] = {"ranks": ranks, "slowest": slowest(ranks)}
         if cfg.levels_mib > 0:
             levels, levels_md = bench_levels(cfg.levels_mib, cfg.levels_reps, cfg.dir)
     finally:
         if not cfg.keep:
             shutil.rmtree(cfg.dir, ignore_errors=True)
     config = {**asdict(cfg), "cpu_count": os.cpu_count(), "torch": torch.__version__}
-    if worlds:
-        print(write_report(worlds, config, cfg.out))
-    if cfg.levels_mib > 0:
-        print(levels_md)
+    if results:
+        rows = [row for w, res in results.items() for row in world_rows(w, res["slowest"])]
+        if 1 in results and 2 in results:
+            rows.append(scaling_row(results[1]["slowest"], results[2]["slowest"]))
+        write_report(cfg.out, "bench_save", markdown(rows, results, config), {
+            "config": config, "worlds": {str(w): res for w, res in results.items()},
+            "rows": [{**asdict(r), "ours_vs_limit": _finite(r.vs_limit), "ours_vs_peer": _finite(r.vs_peer)}
+                     for r in rows]})
     if levels:
-        os.makedirs(cfg.out, exist_ok=True)
-        with open(os.path.join(cfg.out, "bench_levels.md"), "w") as f:
-            f.write(levels_md + "\n")
-        with open(os.path.join(cfg.out, "bench_levels.json"), "w") as f:
-            json.dump({"config": config, "levels": levels}, f, indent=2)
+        write_report(cfg.out, "bench_levels", levels_md + "\n", {"config": config, "levels": levels})
+    elif levels_md:
+        print(levels_md)
     return 0
 
 

@@ -1,37 +1,22 @@
 """Pool the paired figures of several ``bench_save`` runs: one median per target, with its interval.
 
-Each of ``bench_save``'s paired targets is a median over 5-9 pairs of one run, and single pairs on
-this VM range 0.7-1.6 (the same 1 GiB copy took 96-161 ms within one run, a cold read 0.5-3.4 s per
-GiB), so a run's median lands on either side of a target by luck, a different target each run. This
-script takes the runs' raw JSON (``bench_save.py --out DIR`` writes ``DIR/bench_save.json``) and, per
-world size and target, pools every pair of every run: the pooled median, a 95 % bootstrap interval
-of it (pairs resampled with replacement, 4000 times, a fixed seed: the same input gives the same
-table), and each run's own median beside it, so that a difference between runs stays visible.
-
-A pair's figure is the job's: every time in it is the slowest rank's (the training waits for the
-slowest rank's stall, a commit for every rank's files), as in the run's own persist and restore rows;
-the run's stall row takes the slowest rank's median of its own ratios instead, so its figure can
-differ from the per-run median here by a few hundredths. The pairs:
-
-* stall: each save 2..N ÷ the mean of the threaded copies timed right before and right after it
-  (runs before 38ba48b, 2026-11-26, which timed one side only, pair with that side);
-* persist: the faster raw write + fsync of the round ÷ our time after the stall, saves 2..N;
-* restore, cold and warm: the raw read into fresh memory of the round ÷ our ``load()``; from
-  2026-11-27 (c22a51e) on, also the same raw read hashed as ``load()`` verifies (xxh3 of every MiB): raw ÷
-  verified (the cap: the most a restore that checks every byte reaches) and verified ÷ ours.
-
-Informative figures (no target) sit beside the targets they bound or explain: the copy inside
-``save()`` alone against the same copies (the stall without encoding, planning and hand-over).
+A run's median of 5-9 pairs lands on either side of a target by luck on this VM (single pairs range
+0.7-1.6). Per world size and target this pools every pair of every run (``bench_save.json`` of each):
+the pooled median, a 95 % bootstrap interval of it (4000 resamples, a fixed seed: the same input gives
+the same table) and each run's own median. Every time in a pair is the slowest rank's. The pairs: each
+save 2..N's stall ÷ the mean of the copies timed right before and after it (and the copy inside
+``save()`` alone, informative); the faster raw write of the round ÷ our time after the stall; the raw
+read into fresh memory ÷ our ``load()``, cold and warm, and the same read verified as ``load()``
+verifies: raw ÷ verified (the cap) and verified ÷ ours.
 
 Usage::
 
-    .venv/bin/python benchmarks/pool_runs.py RUN_A/bench_save.json RUN_B/bench_save.json ... [--out F.md]
+    .venv/bin/python benchmarks/pool_runs.py RUN_A/bench_save.json RUN_B/bench_save.json ... [--names A,B] [--out F.md]
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import random
 import statistics
@@ -39,36 +24,25 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from _report import persist_ratios
-from bench_save import _slowest
+from _common import slowest
+from bench_save import persist_ratios
 
 Metrics = dict[str, float]
-TARGETS: dict[str, tuple[str, Callable[[float], bool] | None]] = {
-    "stall": ("≤ 1.10", lambda x: x <= 1.10),
-    "snapshot": ("-", None),
-    "persist": ("≥ 0.90", lambda x: x >= 0.90),
-    "restore_cold": ("≥ 0.90", lambda x: x >= 0.90),
-    "restore_cold_cap": ("-", None),
-    "restore_cold_verified": ("-", None),
-    "restore_warm": ("≥ 0.90", lambda x: x >= 0.90),
-    "restore_warm_cap": ("-", None),
-    "restore_warm_verified": ("-", None),
+TARGETS: dict[str, tuple[str, str, Callable[[float], bool] | None]] = {
+    "stall": ("stall ÷ the copy on the rank's cores on both sides of it", "≤ 1.10", lambda x: x <= 1.10),
+    "snapshot": ("of which the copy inside `save()` alone ÷ the same copies", "-", None),
+    "persist": ("persist ÷ raw write + fsync of the same round", "≥ 0.90", lambda x: x >= 0.90),
+    **{f"restore_{c}{suffix}": (label.format(c), *test) for c in ("cold", "warm") for suffix, label, test in (
+        ("", "restore ÷ raw read into fresh memory, {}", ("≥ 0.90", lambda x: x >= 0.90)),
+        ("_cap", "raw read + xxh3 of every MiB ÷ raw read, {}: the most a verified restore reaches", ("-", None)),
+        ("_verified", "restore ÷ raw read + xxh3 of every MiB, {}", ("-", None)))},
 }
-"""Each figure's target and its test; ``None``: informative (what bounds or explains a target)."""
-LABELS = {
-    "stall": "stall ÷ the copy on the rank's cores on both sides of it",
-    "snapshot": "of which the copy inside `save()` alone ÷ the same copies",
-    "persist": "persist ÷ raw write + fsync of the same round",
-    "restore_cold": "restore ÷ raw read into fresh memory, cold",
-    "restore_cold_cap": "raw read + xxh3 of every MiB ÷ raw read, cold: the most a verified restore reaches",
-    "restore_cold_verified": "restore ÷ raw read + xxh3 of every MiB, cold",
-    "restore_warm": "restore ÷ raw read into fresh memory, warm",
-    "restore_warm_cap": "raw read + xxh3 of every MiB ÷ raw read, warm: the most a verified restore reaches",
-    "restore_warm_verified": "restore ÷ raw read + xxh3 of every MiB, warm",
-}
+"""Each figure's label, target and test; ``None``: informative (what bounds or explains a target)."""
+
+
 @dataclass(frozen=True)
 class Pooled:
-    """One target of one world size, pooled over runs."""
+    """One target of one world size, pooled over runs; ``runs``: each run's own median, in order."""
 
     world: str
     target: str
@@ -77,50 +51,46 @@ class Pooled:
     high: float
     pairs: int
     runs: tuple[float, ...]
-    """Each run's own median of the same pairs (in the order the runs were given)."""
 
     @property
     def met(self) -> bool | None:
         """Whether the pooled median meets the target; ``None`` for an informative figure."""
-        test = TARGETS[self.target][1]
+        test = TARGETS[self.target][2]
         return None if test is None else test(self.median)
 
 
-def _numbered(m: Metrics, key: Callable[[int], str], start: int) -> list[int]:
-    return list(itertools.takewhile(lambda i: key(i) in m, itertools.count(start)))
+def _count(m: Metrics, key: Callable[[int], str], start: int) -> list[int]:
+    i = start
+    while key(i) in m:
+        i += 1
+    return list(range(start, i))
 
 
 def rank_pairs(rank: dict[str, Metrics]) -> dict[str, list[float]]:
     """The per-pair ratios of each target of one rank's times (or of the slowest rank's). Pure."""
-    ours, copies = rank["ours"], rank.get("memcpy_threads", {})
-    out: dict[str, list[float]] = {}
-    steady = _numbered(ours, lambda i: f"rep{i}_stall_s", 2)
-    if all(f"rep{i}_copy_before_s" in ours for i in steady):
+    ours, out = rank["ours"], {}
+    steady = _count(ours, lambda i: f"rep{i}_stall_s", 2)
+    if steady and all(f"rep{i}_copy_before_s" in ours for i in steady):
         mean = [(ours[f"rep{i}_copy_before_s"] + ours[f"rep{i}_copy_after_s"]) / 2 for i in steady]
         out["stall"] = [ours[f"rep{i}_stall_s"] / m for i, m in zip(steady, mean)]
         if all(f"rep{i}_snapshot_s" in ours for i in steady):
             out["snapshot"] = [ours[f"rep{i}_snapshot_s"] / m for i, m in zip(steady, mean)]
-    elif all(f"rep{i}_s" in copies for i in steady):  # one copy per save, on one side of it
-        out["stall"] = [ours[f"rep{i}_stall_s"] / copies[f"rep{i}_s"] for i in steady]
-    persist = persist_ratios(rank)
-    if persist:
-        out["persist"] = persist
+    if persist_ratios(rank):
+        out["persist"] = persist_ratios(rank)
     paired = rank.get("paired", {})
     for cache in ("cold", "warm"):
-        found = _numbered(paired, lambda i: f"restore_{cache}_{i}_ours_s", 1)
-        times = {name: [paired.get(f"restore_{cache}_{i}_{name}_s") for i in found]
-                 for name in ("raw", "ours", "verified")}
+        found = _count(paired, lambda i: f"restore_{cache}_{i}_ours_s", 1)
+        times = {n: [paired.get(f"restore_{cache}_{i}_{n}_s") for i in found] for n in ("raw", "ours", "verified")}
         pairs = {"": ("raw", "ours"), "_cap": ("raw", "verified"), "_verified": ("verified", "ours")}
-        for suffix, (num, den) in pairs.items():  # the verified read: from c22a51e on
-            if found and None not in times[num] + times[den]:
-                out[f"restore_{cache}{suffix}"] = [a / b for a, b in zip(times[num], times[den])]
+        for suffix, (a, b) in pairs.items():
+            if found and None not in times[a] + times[b]:
+                out[f"restore_{cache}{suffix}"] = [x / y for x, y in zip(times[a], times[b])]
     return out
 
 
 def world_pairs(ranks: Sequence[dict[str, Metrics]]) -> dict[str, list[float]]:
-    """Per target, each pair's ratio of the slowest rank's times (every figure used here is a time,
-    which ``_slowest`` merges by the largest). Pure."""
-    return rank_pairs(_slowest(list(ranks)))
+    """Per target, each pair's ratio of the slowest rank's times. Pure."""
+    return rank_pairs(slowest(list(ranks)))
 
 
 def bootstrap_median(values: Sequence[float], rounds: int = 4000, seed: int = 0) -> tuple[float, float]:
@@ -131,18 +101,15 @@ def bootstrap_median(values: Sequence[float], rounds: int = 4000, seed: int = 0)
 
 
 def pool(runs: Sequence[dict[str, Any]]) -> list[Pooled]:
-    """Every target of every world size the runs share, pooled (see the module docstring). Pure."""
+    """Every target of every world size the runs share, pooled. Pure."""
     out: list[Pooled] = []
-    worlds = sorted(set.intersection(*(set(r["worlds"]) for r in runs)), key=int)
-    for world in worlds:
+    for world in sorted(set.intersection(*(set(r["worlds"]) for r in runs)), key=int):
         per_run = [world_pairs(r["worlds"][world]["ranks"]) for r in runs]
         for target in TARGETS:
-            if not all(target in p for p in per_run):
-                continue
-            values = [x for p in per_run for x in p[target]]
-            low, high = bootstrap_median(values)
-            out.append(Pooled(world, target, statistics.median(values), low, high, len(values),
-                              tuple(statistics.median(p[target]) for p in per_run)))
+            if all(target in p for p in per_run):
+                values = [x for p in per_run for x in p[target]]
+                out.append(Pooled(world, target, statistics.median(values), *bootstrap_median(values), len(values),
+                                  tuple(statistics.median(p[target]) for p in per_run)))
     return out
 
 
@@ -152,8 +119,9 @@ def markdown(pooled: Sequence[Pooled], names: Sequence[str]) -> str:
              "|---|---|---|---|---|" + "---|" * len(names) + "---|---|"]
     for p in pooled:
         runs = " | ".join(f"{m:.3f}" for m in p.runs)
-        lines.append(f"| {p.world} | {LABELS[p.target]} | {p.median:.3f} | {p.low:.3f}-{p.high:.3f} | {p.pairs} | "
-                     f"{runs} | {TARGETS[p.target][0]} | {'-' if p.met is None else 'yes' if p.met else '**no**'} |")
+        met = "-" if p.met is None else "yes" if p.met else "**no**"
+        lines.append(f"| {p.world} | {TARGETS[p.target][0]} | {p.median:.3f} | {p.low:.3f}-{p.high:.3f} | {p.pairs} | "
+                     f"{runs} | {TARGETS[p.target][1]} | {met} |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,13 +1,11 @@
 """Write the latest figures of every benchmark, from ``benchmarks/results/``, into ``benchmarks/README.md``.
 
-Each benchmark writes its report into ``benchmarks/out/`` (not committed). A run worth keeping is copied
-into ``benchmarks/results/`` as ``<family>_<YYYY-MM-DD>[_<run>].{json,md}`` (a family is a benchmark or
-one of its sections: ``bench_save``, ``bench_lightning_transformer``, ``bench_gpu_h200`` ...), naming its
-device and the commit it measured: a ``"run"`` object in a JSON file, a line starting with ``Run `` in
-a Markdown one. Per benchmark, this tool renders the files of each of its families' latest date
-between the README's markers ``<!-- figures:bench_X:begin -->`` and ``<!-- figures:bench_X:end -->``;
-everything else in the README is written by hand and left as it is. ``tests/test_report.py`` checks
-that the README is what ``results/`` gives.
+A run worth keeping is copied from ``benchmarks/out/`` into ``results/`` as
+``<family>_<YYYY-MM-DD>[_<run>].{json,md}`` (a family is a benchmark or one of its sections), naming its
+device and commit: a ``"run"`` object in a JSON file, a line starting with ``Run `` in a Markdown one.
+Per benchmark, the files of each family's latest date are rendered between the README's markers
+``<!-- figures:bench_X:begin -->`` and ``<!-- figures:bench_X:end -->``; the rest of the README is
+written by hand. ``tests/test_report.py`` checks that the README is what ``results/`` gives.
 
 Usage::
 
@@ -22,8 +20,7 @@ import json
 import os
 import re
 import sys
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SECTIONS = ("bench_save", "bench_lightning", "bench_overhead", "bench_s3", "bench_sharded", "bench_plan",
@@ -31,6 +28,8 @@ SECTIONS = ("bench_save", "bench_lightning", "bench_overhead", "bench_s3", "benc
 """The benchmarks, each a ``## bench_X`` section of the README with its figures' markers."""
 NAME = re.compile(r"^(?P<family>bench_[a-z0-9_]+?)_(?P<date>\d{4}-\d{2}-\d{2})(?:_(?P<run>[\w-]+))?\.(?P<ext>json|md)$")
 VERDICT = re.compile(r"→|\*\*[0-9.]+ ?[x×]\*\*|target")
+TABLES = {"bench_s3": 2, "bench_lightning_mlp": 2, "bench_lightning_memory": 0}
+"""How many of a Markdown report's tables are its headline figures (default 1)."""
 
 
 def markers(section: str) -> tuple[str, str]:
@@ -38,8 +37,7 @@ def markers(section: str) -> tuple[str, str]:
     return f"<!-- figures:{section}:begin -->", f"<!-- figures:{section}:end -->"
 
 
-@dataclass(frozen=True)
-class Result:
+class Result(NamedTuple):
     """One file of ``results/``: its family, date and run name (``""`` for a single run)."""
 
     path: str
@@ -50,41 +48,41 @@ class Result:
 
     @property
     def name(self) -> str:
+        """The file's name."""
         return os.path.basename(self.path)
 
-    @property
-    def section(self) -> str:
-        """The benchmark the family belongs to (the longest section name it starts with)."""
-        found = [s for s in SECTIONS if self.family == s or self.family.startswith(s + "_")]
-        if not found:
-            raise ValueError(f"{self.name}: no benchmark named {self.family}; name it after one of {SECTIONS}")
-        return max(found, key=len)
+    def load(self) -> Any:
+        """The file's content: the JSON object, or the Markdown text."""
+        with open(self.path) as f:
+            return json.load(f) if self.ext == "json" else f.read()
+
+
+def section_of(r: Result) -> str:
+    """The benchmark a result's family belongs to (the longest section name it starts with)."""
+    found = [s for s in SECTIONS if r.family == s or r.family.startswith(s + "_")]
+    if not found:
+        raise ValueError(f"{r.name}: no benchmark named {r.family}; name it after one of {SECTIONS}")
+    return max(found, key=len)
 
 
 def latest(results: str) -> dict[str, list[Result]]:
-    """Per benchmark, the files of each family's latest date (a Markdown report preferred to the JSON
-    of the same run), in name order."""
+    """Per benchmark, the files of each family's latest date (a Markdown report preferred to the JSON of
+    the same run), in name order."""
     found = []
     for name in sorted(os.listdir(results)):
         m = NAME.match(name)
         if m is None:
             raise ValueError(f"{results}/{name}: not named <family>_<YYYY-MM-DD>[_<run>].(json|md); rename it")
         found.append(Result(os.path.join(results, name), m["family"], m["date"], m["run"] or "", m["ext"]))
-    newest = {}
+    newest: dict[str, str] = {}
     for r in found:
         newest[r.family] = max(newest.get(r.family, r.date), r.date)
     stems = {(r.family, r.date, r.run) for r in found if r.ext == "md"}
     out: dict[str, list[Result]] = {}
     for r in found:
         if r.date == newest[r.family] and not (r.ext == "json" and (r.family, r.date, r.run) in stems):
-            out.setdefault(r.section, []).append(r)
+            out.setdefault(section_of(r), []).append(r)
     return out
-
-
-def load(r: Result) -> Any:
-    """A result file's content: the JSON object, or the Markdown text."""
-    with open(r.path) as f:
-        return json.load(f) if r.ext == "json" else f.read()
 
 
 def run_line(r: Result, data: Any) -> str:
@@ -93,8 +91,7 @@ def run_line(r: Result, data: Any) -> str:
         run = data.get("run", {})
         said = ", ".join(f"{k} {run[k]}" for k in ("device", "commit", "note") if k in run)
         return f"Run {r.date}" + (f", {said}" if said else "")
-    line = next((x for x in data.splitlines() if x.startswith("Run ")), f"Run {r.date}")
-    return line.rstrip(".")
+    return next((x for x in data.splitlines() if x.startswith("Run ")), f"Run {r.date}").rstrip(".")
 
 
 def markdown_figures(text: str, tables: int = 1) -> list[str]:
@@ -123,8 +120,7 @@ def save_figures(files: list[Result]) -> list[str]:
     import pool_runs
     from _common import num
 
-    runs = [load(r) for r in files]
-    names = [r.run or r.date for r in files]
+    runs, names = [r.load() for r in files], [r.run or r.date for r in files]
     rows: dict[tuple[str, str, str], list[Any]] = {}
     for i, run in enumerate(runs):
         for row in run["rows"]:
@@ -135,21 +131,8 @@ def save_figures(files: list[Result]) -> list[str]:
     for (world, metric, target), found in rows.items():
         cells = ["-" if r is None else f"{num(r['ours_vs_limit'])} {'PASS' if r['passed'] else 'FAIL'}" for r in found]
         lines.append(f"| {world} | {metric} | " + " | ".join(cells) + f" | {target} |")
-    lines += ["", f"The paired figures pooled over runs {', '.join(names)} (`pool_runs.py`):", "",
-              *pool_runs.markdown(pool_runs.pool(runs), names).splitlines()]
-    return lines
-
-
-def gpu_figures(r: Result, data: dict[str, Any]) -> list[str]:
-    """bench_gpu: its own report of the run."""
-    sys.path.insert(0, HERE)
-    from bench_gpu import markdown
-
-    return markdown(data).splitlines()[2:]
-
-
-TABLES = {"bench_s3": 2, "bench_lightning_mlp": 2, "bench_lightning_memory": 0}
-"""How many of a Markdown report's tables are its headline figures (default 1)."""
+    return lines + ["", f"The paired figures pooled over runs {', '.join(names)} (`pool_runs.py`):", "",
+                    *pool_runs.markdown(pool_runs.pool(runs), names).splitlines()]
 
 
 def render_section(section: str, files: list[Result]) -> str:
@@ -157,15 +140,20 @@ def render_section(section: str, files: list[Result]) -> str:
     if not files:
         return (f"No run of `{section}.py` in `results/` yet: run it, copy its report from `out/` to "
                 f"`results/{section}_<date>.md` with a `Run <date>, <device>, <commit>` line, and re-render.\n")
-    lines = [f"Generated by `report.py` from `results/` (the latest date of each family).", ""]
+    lines = ["Generated by `report.py` from `results/` (the latest date of each family).", ""]
     if section == "bench_save":
-        lines += [f"{run_line(r, load(r))}: [`results/{r.name}`](results/{r.name})." for r in files]
+        lines += [f"{run_line(r, r.load())}: [`results/{r.name}`](results/{r.name})." for r in files]
         return "\n".join(lines + ["", *save_figures(files)]) + "\n"
     for r in files:
-        data = load(r)
+        data = r.load()
         lines += [f"**[`results/{r.name}`](results/{r.name})**: {run_line(r, data)}.", ""]
-        body = gpu_figures(r, data) if section == "bench_gpu" else markdown_figures(data, TABLES.get(r.family, 1))
-        lines += [*body, ""]
+        if section == "bench_gpu":
+            sys.path.insert(0, HERE)
+            from bench_gpu import markdown
+
+            lines += [*markdown(data).splitlines()[2:], ""]
+        else:
+            lines += [*markdown_figures(data, TABLES.get(r.family, 1)), ""]
     return "\n".join(lines)
 
 

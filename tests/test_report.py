@@ -81,9 +81,9 @@ def test_a_result_named_otherwise_and_a_readme_without_markers_are_refused(repor
 
 @pytest.fixture
 def save_rows(monkeypatch):
-    """benchmarks/_report.py, which turns bench_save's figures into rows and targets."""
+    """benchmarks/bench_save.py, which also turns its figures into rows and targets."""
     monkeypatch.syspath_prepend(BENCHMARKS)
-    return importlib.import_module("_report")
+    return importlib.import_module("bench_save")
 
 
 def test_the_persist_target_is_paired_round_by_round(save_rows):
@@ -140,13 +140,6 @@ def test_the_stall_target_brackets_each_save_with_the_copy_on_both_sides(save_ro
     saves[4] = save(1.5, 1.0, 1.0)
     saves.append(save(1.4, 1.0, 1.0))  # steady: 1.0, 1.0, 1.1, 1.5, 1.4
     assert paired_stalls(saves)["stall_vs_copy_median"] == pytest.approx(1.1) and paired_stalls(saves)["pairs"] == 5
-    # runs of older bench_saves render as they did: the copy's side alternating (2026-11-26), before it the copy first
-    alternating = {"stall_vs_copy_median": 1.125, "stall_vs_copy_median_limit_first": 1.025, "pairs_limit_first": 2.0,
-                   "stall_vs_copy_median_save_first": 1.25, "pairs_save_first": 2.0}
-    main, before, after = save_rows.paired_stall("1", {"paired": alternating})
-    assert "both orders" in main.metric and main.passed is False and "(2 saves)" in before.metric
-    (old,) = save_rows.paired_stall("1", {"paired": {"stall_vs_copy_median": 1.05}})
-    assert "copy first" in old.metric and old.passed is True
 
 
 def test_bench_save_times_nothing_while_a_retention_still_runs_and_brackets_each_save(monkeypatch, tmp_path):
@@ -282,16 +275,6 @@ def test_pooling_runs_takes_every_pair_of_every_run_as_the_slowest_rank_s_times(
     table = pool_runs.markdown(list(pooled.values()), ["A", "B"])
     assert table.count("\n") == 2 + len(pooled) and "| A | B |" in table
     assert "| - | - |" in table and "| ≥ 0.90 | yes |" in table
-
-
-def test_pooling_reads_runs_that_timed_the_copy_on_one_side_of_each_save(monkeypatch):
-    """Runs before 2026-11-26 timed one threaded copy per save: each save pairs with it."""
-    monkeypatch.syspath_prepend(BENCHMARKS)
-    import pool_runs
-
-    r = {"ours": {"rep1_stall_s": 5.0, "rep2_stall_s": 1.1, "rep3_stall_s": 1.2},
-         "memcpy_threads": {"rep1_s": 1.0, "rep2_s": 1.0, "rep3_s": 1.0}}
-    assert pool_runs.rank_pairs(r)["stall"] == pytest.approx([1.1, 1.2])
 
 
 def test_every_timed_restore_starts_from_freshly_freed_memory(monkeypatch):
