@@ -15,7 +15,7 @@ from ckpt_engine.interop.lightning import plain_misc
 from ckpt_engine.training.parts import Parts, split_weights
 from ckpt_engine.training.session import TrainingSession
 
-from . import _lightning, _trainer_api
+from . import _dcp, _lightning, _trainer_api
 
 
 class Resuming(Protocol):
@@ -48,6 +48,9 @@ def resume_start(callback: Resuming, trainer: Any, path: Any, lightning: Callabl
       newest, ours on a tie (it also restores the data position and RNG exactly), and ours when
       Lightning's newer one cannot resume exactly (mid-epoch, its loader not resumable) and ours is
       at most one of our intervals older;
+    * a DCP directory (``.metadata``: ``dcp.save``, torchtitan; Lightning's own sharded checkpoints
+      only under DDP or one device, a sharded strategy loads those itself): its weights and optimizers,
+      resharded into the live model (``lightning_ckpt._dcp``);
     * any other ``ckpt_path``: that one (an explicit choice wins);
     * none: our newest with ``resume="auto"``, else nothing.
 
@@ -62,6 +65,9 @@ def resume_start(callback: Resuming, trainer: Any, path: Any, lightning: Callabl
         return
     if which is not None:
         lightning(path)
+        return
+    if path is not None and _dcp.takes(trainer, path):  # a DCP directory: its weights and optimizers, resharded
+        _trainer_api.inject_loaded_checkpoint(trainer, _dcp.restore(trainer, path), path)
         return
     ck = callback.session.ck
     steps = on_rank0(ck.comm, ck.steps) if path is not None else []  # a failure: raised on every rank

@@ -184,6 +184,17 @@ def restores_loader_states(trainer: "Trainer") -> bool:
     return bool(getattr(trainer.fit_loop, "_combined_loader_states_to_load", None))
 
 
+def planned_optimizers(trainer: "Trainer") -> list[Any]:
+    """The optimizers, or before the strategy set them up (DDP, one device: ``fit(ckpt_path=...)``
+    restores first) those ``configure_optimizers`` gives (called once more; only their number is used)."""
+    optimizers = list(trainer.optimizers)
+    if optimizers:
+        return optimizers
+    found, _ = _lightning.resolve(_lightning.of(trainer), "core.optimizer")._init_optimizers_and_lr_schedulers(
+        trainer.lightning_module)
+    return list(found)
+
+
 def unsupported_strategy(trainer: "Trainer") -> str | None:
     """Why this callback cannot take the state of ``trainer``'s strategy (``DeepSpeedStrategy``: ZeRO
     partitions it in its own layout, with no ``DTensor`` form), or ``None``. The other sharded

@@ -10,8 +10,9 @@ DCP's ``.metadata`` is a pickle and its values are ``torch.save`` blobs: unless 
 metadata is read by an unpickler that knows only DCP's metadata records and the values with
 ``weights_only=True``, so a checkpoint from elsewhere runs no code.
 
-Resuming a live (sharded) state straight from a DCP directory needs nothing of ours: that is
-``dcp.load(state, checkpoint_id=path)`` itself (any mesh, any world size).
+Resuming a live (sharded) state straight from a DCP directory is ``dcp.load`` itself (any mesh, any
+world size); :func:`load_into` runs it with this module's safe reader and errors naming the key
+(``lightning_ckpt``'s ``fit(ckpt_path=<DCP directory>)`` uses it).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from ..checkpointer import Checkpointer
 from ..errors import CheckpointError
 from .dcp import METADATA, unwrapped
+from .dcp_lightning import from_lightning_dcp, read_meta
 
 STEP_KEYS = ("step", "global_step")
 """Top-level keys whose integer value :func:`import_dcp` takes as the step when none is given."""
@@ -166,6 +168,45 @@ def read_dcp(src: str, *, options: dict[str, Any] | None = None, trust: bool = F
     return nested
 
 
+def top_keys(src: str, *, options: dict[str, Any] | None = None, trust: bool = False) -> list[str]:
+    """The top-level keys of the DCP checkpoint in directory ``src`` (sorted); :class:`CheckpointError` if none."""
+    md = _reader(src, options, trust).read_metadata()
+    paths = md.planner_data if isinstance(md.planner_data, dict) else {}
+    return sorted({str(paths.get(key, (key.split(".")[0],))[0]) for key in md.state_dict_metadata})
+
+
+class _Planner(DefaultLoadPlanner):
+    """DCP's default load planner; values that are not tensors unpickled with ``weights_only`` unless ``trust``."""
+
+    def __init__(self, trust: bool) -> None:
+        super().__init__()
+        self.trust = trust
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        key = read_item.dest_index.fqn
+        try:
+            loaded = torch.load(value, weights_only=not self.trust)
+        except pickle.UnpicklingError as e:
+            raise CheckpointError(f"DCP value {key!r} needs code to unpickle ({str(e).splitlines()[0]}); only "
+                                  "for a checkpoint you trust: load it with trust=True") from e
+        set_element(self.original_state_dict, self.mappings[key], loaded)
+
+
+def load_into(src: str, state: dict[str, Any], *, options: dict[str, Any] | None = None, trust: bool = False) -> None:
+    """Fill ``state`` (a live state dict: ``DTensor`` shards on any mesh, or plain tensors) from the DCP
+    checkpoint in ``src`` with ``dcp.load``, on every rank of the default process group when there is one
+    (a collective), resharded by DCP. A key ``state`` has and the checkpoint lacks, or a tensor of
+    another shape, raises :class:`CheckpointError` naming it."""
+    try:
+        dcp.load(state, storage_reader=_reader(src, options, trust), planner=_Planner(trust))
+    except CheckpointException as e:
+        cause = unwrapped(e)
+        if isinstance(cause, CheckpointError):
+            raise cause from e
+        raise CheckpointError(f"{src}: cannot load this DCP checkpoint into the module and its optimizers: "
+                              f"{cause}") from e
+
+
 def own_step(state: dict[str, Any]) -> int | None:
     """The step a state records of itself: the integer under one of :data:`STEP_KEYS`, else ``None``."""
     for key in STEP_KEYS:
@@ -177,8 +218,10 @@ def own_step(state: dict[str, Any]) -> int | None:
     return None
 
 
-def write_checkpoint(state: Any, root: str, step: int, *, storage_options: dict[str, Any] | None = None) -> Imported:
-    """Save ``state`` as a checkpoint of ours of ``step`` at ``root`` (one process) and wait for its commit.
+def write_checkpoint(state: Any, root: str, step: int, *, storage_options: dict[str, Any] | None = None,
+                     local: Any = None) -> Imported:
+    """Save ``state`` (and the per-rank part ``local``) as a checkpoint of ours of ``step`` at ``root``
+    (one process) and wait for its commit.
 
     ``root`` must be one no running job writes to (opening it for writing removes uncommitted
     attempts). Raises :class:`CheckpointError` when ``root`` already has a checkpoint of ``step``.
@@ -187,9 +230,9 @@ def write_checkpoint(state: Any, root: str, step: int, *, storage_options: dict[
         if step in ck.steps():
             raise CheckpointError(f"{root} already has a checkpoint of step {step}; import with another step "
                                   "(--step) or into another root")
-        ck.save(state, step)
+        ck.save(state, step, local)
         ck.wait()
-    leaves = list(_leaves(state))
+    leaves = list(_leaves(state)) + list(_leaves(local or {}))
     tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
     return Imported(root, step, len(tensors), sum(t.nbytes for t in tensors), len(leaves) - len(tensors))
 
@@ -210,10 +253,15 @@ def import_dcp(src: str, root: str, *, step: int | None = None, options: dict[st
     """Write the DCP checkpoint in ``src`` as a checkpoint of ours at ``root``: ``ckpt import SRC ROOT``.
 
     Its step: ``step``, else the state's own (:func:`own_step`), else 0. ``restore(into=...)`` of
-    any mesh and world size then resumes from it. ``options``: fsspec options for ``src``. Errors:
-    see :func:`read_dcp` and :func:`write_checkpoint`.
+    any mesh and world size then resumes from it. Lightning's sharded checkpoint (a ``meta.pt`` beside
+    the DCP files) is written as ``AsyncShardedCheckpoint`` writes one under a sharded strategy
+    (:func:`ckpt_engine.interop.dcp_lightning.from_lightning_dcp`; step: its ``global_step``).
+    ``options``: fsspec options for ``src``. Errors: see :func:`read_dcp` and :func:`write_checkpoint`.
     """
     state = read_dcp(src, options=options, trust=trust)
+    meta, local = read_meta(src, options=options, trust=trust), None
+    if meta is not None:  # Lightning's sharded save_checkpoint: as AsyncShardedCheckpoint writes one
+        state, local = from_lightning_dcp(state, meta, src)
     if step is None:
-        step = own_step(state) or 0
-    return write_checkpoint(state, root, step, storage_options=storage_options)
+        step = own_step(meta if meta is not None else state) or 0
+    return write_checkpoint(state, root, step, storage_options=storage_options, local=local)
