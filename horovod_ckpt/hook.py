@@ -155,6 +155,28 @@ class HorovodCheckpointer:
             warnings.warn(warning, stacklevel=2)
         return self.step
 
+    def restore_dcp(self, src: str, *, trust: bool = False, storage_options: Mapping[str, Any] | None = None) -> int:
+        """Start from the DCP checkpoint in directory ``src`` (``dcp.save``, torchtitan, Lightning's sharded
+        ``save_checkpoint``; any number of ranks and any mesh wrote it) instead of one of ours, on every rank:
+        the model's weights and the optimizer's state as ``horovod_ckpt._dcp`` maps its keys. Call it in place
+        of :meth:`restore` (after the initial broadcasts), when this run's own root has no checkpoint yet.
+
+        Returns the checkpoint's own step (``step``/``global_step``, else 0), from which this run's steps and
+        checkpoints continue; the data position and RNG states are not in a DCP checkpoint, so the epochs
+        start where the script says. Warns on rank 0 with what was restored from where. A failure on any rank
+        (a key missing or of another shape, named) is raised on every rank. ``trust``: let the checkpoint's
+        pickled values run code (off: ``weights_only``).
+        """
+        from ._dcp import load_dcp
+
+        self._check_open()
+        step, what = on_every_rank(self.comm, lambda: load_dcp(src, self.tracked.model, self.tracked.optimizer,
+                                                                trust=trust, options=dict(storage_options or {})))
+        self.step = self.resumed_from = step
+        if self.rank == 0:
+            warnings.warn(f"HorovodCheckpointer: started from the DCP checkpoint {src}: {what}", stacklevel=2)
+        return step
+
     def _apply_restored(self, resumed: Resumed) -> str | None:
         """This rank's part of :meth:`restore`; returns rank 0's hyper-parameter warning, if any."""
         optimizer, scheduler = self.tracked.optimizer, self.tracked.scheduler
