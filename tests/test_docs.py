@@ -29,8 +29,9 @@ SETUP_BLOCK = [
     "bash scripts/test.sh    # set up .venv, then run the whole test suite (what CI runs)",
     "```",
 ]
-# "session 17", "sessions 19-20", "s17", "this session": how the work went, which users never saw
-# (a date and a commit say it to anyone). "s3" is storage, "TrainingSession" a class.
+# A working session named by its number (the word followed by a number, or "s" and a number) or as
+# this/next/last one: how the work went, which users never saw (a date and a commit say it to anyone).
+# "s3" is storage, "TrainingSession" a class.
 WORK_SESSION = re.compile(r"\bsessions?\s+\d|\b(?:this|that|next|previous|earlier|last) session\b|\bs(?!3\b)\d{1,3}\b",
                           re.IGNORECASE)
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
