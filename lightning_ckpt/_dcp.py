@@ -23,9 +23,11 @@ from __future__ import annotations
 from typing import Any
 
 from ckpt_engine.interop import dcp_lightning as rule
-from ckpt_engine.interop.dcp_import import is_dcp, load_into, read_dcp, top_keys
 
 from . import _lightning, _sharded, _trainer_api
+
+# ckpt_engine.interop.dcp_import is imported where it is used: it imports torch.distributed.checkpoint,
+# 43 ms of CPU in every fit's process otherwise, most of which never reads a DCP directory.
 
 
 def takes(trainer: Any, path: Any) -> bool:
@@ -34,6 +36,8 @@ def takes(trainer: Any, path: Any) -> bool:
     text = str(path)
     if "://" in text and not text.startswith("file://"):
         return False  # remote DCP directories: Lightning's strategies read local paths only; ckpt import reads them
+    from ckpt_engine.interop.dcp_import import is_dcp
+
     if not is_dcp(text):
         return False
     return not (_sharded.applies(trainer) and rule.read_meta(text) is not None)
@@ -42,6 +46,8 @@ def takes(trainer: Any, path: Any) -> bool:
 def restore(trainer: Any, path: Any) -> dict[str, Any]:
     """Restore the module's weights and optimizers from the DCP directory ``path`` (every rank, a collective
     under a sharded strategy) and return the checkpoint dictionary Lightning restores the rest from."""
+    from ckpt_engine.interop.dcp_import import read_dcp, top_keys
+
     src = str(path).removeprefix("file://")
     optimizers = list(trainer.optimizers) if _sharded.applies(trainer) else _trainer_api.planned_optimizers(trainer)
     keys = top_keys(src)
@@ -61,6 +67,7 @@ def restore(trainer: Any, path: Any) -> dict[str, Any]:
 
 
 def _load_sharded(trainer: Any, src: str, weights: str, optims: list[str]) -> None:
+    from ckpt_engine.interop.dcp_import import load_into
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
 

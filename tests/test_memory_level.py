@@ -436,3 +436,41 @@ def test_a_memory_buffers_pages_are_mapped_when_it_is_made_not_in_the_snapshot_c
         assert faults < nbytes // 4096 // 8, f"{faults} page faults copying into a fresh {nbytes}-byte buffer"
         assert bytes(buf.view(16)) == b"\x01" * 16
         del buf
+
+
+def test_a_flush_from_memory_reads_the_snapshot_buffers_own_pages_and_never_passes_damage_on(tmp_path):
+    """On tmpfs, a flush checks and writes a memory checkpoint's bytes where this process has them mapped
+    already (the snapshot buffer its data file links), with no read copy and no second mapping (a flush of
+    176 MiB: 62 -> 21 ms of CPU, 2026-11-28); a byte damaged there is still caught, and the disk gets nothing."""
+    import tempfile
+
+    import numpy as np
+
+    from ckpt_engine.format.catalog import manifest_dirs
+    from ckpt_engine.levels.memory import in_memory_fs
+    from ckpt_engine.testing import GatedStorage
+
+    assert not in_memory_fs(str(tmp_path)) and in_memory_fs("/dev/shm")
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as mem:
+        disk = GatedStorage(str(tmp_path / "disk"))
+        ck = Checkpointer(levels=[{"kind": "memory", "path": mem, "job": "j"}, disk], keep_last=2, flush_retries=1)
+        ck.save({"w": torch.arange(1 << 21, dtype=torch.float32)}, 1)
+        ck.wait()
+        own = ck.levels[0]
+        assert own.in_memory
+        rel = f"{max(own.listdir(''))}/rank-00000.bin"
+        with own.reader(rel) as reader:
+            view = reader.mapped()
+            assert view is not None and view.readonly and view.nbytes == 8 << 20
+            assert np.frombuffer(view, np.uint8).ctypes.data in {b.address for b in ck._pool._free}
+            del view
+        with open(own.path(rel), "r+b") as f:  # the same pages: the buffer's file
+            f.seek(12345)
+            byte = f.read(1)
+            f.seek(12345)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        disk.gate.set()
+        with pytest.raises(CheckpointError, match="checksum mismatch"):
+            ck.wait(flush=True)
+        assert not manifest_dirs(disk)
+        ck.close(timeout=10)

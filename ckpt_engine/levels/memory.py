@@ -24,6 +24,8 @@ checkpoint.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import os
 import re
@@ -50,6 +52,24 @@ def node_key(environ: "os._Environ[str] | dict[str, str] | None" = None) -> str:
         if env.get(name, "") != "":
             return _NODE_NAME.sub("_", env[name])[:64]
     return _NODE_NAME.sub("_", socket.gethostname())[:64] or "node"
+
+
+_MEMORY_FS = {0x01021994, 0x858458F6}
+"""``statfs`` magic numbers of the filesystems that keep files in memory: tmpfs, ramfs."""
+
+
+def in_memory_fs(path: str) -> bool:
+    """Whether ``path`` is on a filesystem that keeps its files in memory (Linux ``statfs``); ``False``
+    where that cannot be told. Only there do readers map files (``Storage.in_memory``): a disk's read
+    error would reach a mapping as SIGBUS instead of an exception."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        buf = ctypes.create_string_buffer(256)  # struct statfs; f_type is its first field, a long
+        if libc.statfs(os.fsencode(path), buf) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF in _MEMORY_FS
 
 
 def job_tag(spec: LevelSpec, others: Sequence[LevelSpec]) -> str:

@@ -36,7 +36,7 @@ from ..format.strict_json import parse_json
 from ..save.commit import sweep
 from ..storage import Storage
 from .flush import FLUSHING
-from .memory import NodeTable, claim, job_tag, node_dir, node_key, sweep_dead_jobs
+from .memory import NodeTable, claim, in_memory_fs, job_tag, node_dir, node_key, sweep_dead_jobs
 
 RANK_COMMIT = "rank-commit.json"
 """On a node-local level 1: a rank's own commit of its files, written last."""
@@ -231,7 +231,9 @@ def open_memory(specs: Sequence[LevelSpec], rank: int, node: str) -> Storage:
     except OSError as e:
         raise CheckpointError(f"memory level: cannot create {path} ({e}); name a writable tmpfs directory as the "
                               "level's 'path'") from e
-    return Storage(path)
+    storage = Storage(path)
+    storage.in_memory = in_memory_fs(path)
+    return storage
 
 
 def held_catalog(node: Storage, rank: int, memory: bool) -> dict[str, list[tuple[int, str, int]]]:

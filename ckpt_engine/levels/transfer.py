@@ -80,8 +80,9 @@ def copy_rank(source: Storage, target: Storage, dirname: str, rank: int, chunk: 
 class _Chunks:
     """A data file read in chunks, checked as it passes; every ``iter()`` is a fresh pass (a retry).
 
-    Each chunk is a view of one reused buffer, valid until the next is asked for: the writer
-    consumes it first (a local write, or the object store client's copy into its part buffer).
+    Each chunk is a view of one reused buffer, or of the mapped file on a memory level
+    (``Reader.mapped``), valid until the next is asked for: the writer consumes it first (a local
+    write, or the object store client's copy into its part buffer).
     """
 
     def __init__(self, source: Storage, rel: str, idx: RankIndex, chunk: int) -> None:
@@ -90,11 +91,19 @@ class _Chunks:
     def __iter__(self) -> Iterator[memoryview]:
         size = self.idx.data_bytes
         check = StreamCheck(self.idx, self.source.describe(self.rel))
-        buf = memoryview(mmap.mmap(-1, max(1, min(self.chunk, size))))  # page-aligned: written with O_DIRECT
         with self.source.reader(self.rel) as reader:
-            for offset in range(0, size, len(buf)):
-                view = buf[:min(len(buf), size - offset)]
-                reader.read_into(offset, view)
-                check.feed(view)
-                yield view
+            whole = reader.mapped()
+            if whole is not None and whole.nbytes >= size:  # a memory level: its pages, no copy out
+                with whole:
+                    for offset in range(0, size, self.chunk):
+                        with whole[offset:min(offset + self.chunk, size)] as view:
+                            check.feed(view)
+                            yield view
+            else:
+                buf = memoryview(mmap.mmap(-1, max(1, min(self.chunk, size))))  # page-aligned: written with O_DIRECT
+                for offset in range(0, size, len(buf)):
+                    view = buf[:min(len(buf), size - offset)]
+                    reader.read_into(offset, view)
+                    check.feed(view)
+                    yield view
         check.finish()

@@ -23,6 +23,7 @@ import shutil
 import torch
 
 from ..storage import Storage
+from ..storage.local import share_mapping
 from .buffers import HostBuffer
 
 BUFFERS = ".buffers"
@@ -43,6 +44,7 @@ class FileBuffer(HostBuffer):
             # a page fault, 176 MiB ~70 ms against ~19 ms for the copy itself, which would otherwise land
             # in the first snapshot into each buffer (tests/test_memory_level.py).
             self._map = mmap.mmap(fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
+            share_mapping(fd, self._map)  # a flush of a checkpoint linking it reads these pages (storage/local.py)
         except OSError:
             os.close(fd)
             os.remove(path)

@@ -59,6 +59,9 @@ class Storage(abc.ABC):
     can_append: ClassVar[bool] = False
     """Whether :meth:`append` works here (object stores have no append)."""
     _backend: ClassVar[str | None] = None  # set by the implementations: "local" or "fsspec"
+    in_memory: bool = False
+    """The files live in the node's memory (a memory level's tmpfs, set by ``levels/open.py``): a
+    reader may map them instead of copying them out (:meth:`Reader.mapped`)."""
 
     url: str
     """The URL this storage was opened with (a :meth:`child`'s extended by its name)."""
@@ -302,6 +305,11 @@ class Reader(abc.ABC):
             d[:] = span[at:at + len(d)]
             at += len(d)
         return got
+
+    def mapped(self) -> memoryview | None:
+        """The whole file as read-only memory, valid until :meth:`close`, where the storage keeps
+        its files in memory (:attr:`Storage.in_memory`); ``None`` elsewhere (read it instead)."""
+        return None
 
     def close(self) -> None:
         """Release the file (idempotent)."""

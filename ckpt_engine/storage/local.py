@@ -13,9 +13,11 @@ from __future__ import annotations
 import collections.abc
 import errno
 import fcntl
+import mmap
 import os
 import shutil
 import uuid
+import weakref
 from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import numpy as np
@@ -26,6 +28,19 @@ from . import guard, poll
 from .base import TMP_PREFIX, Chunks, Reader, Storage, register
 
 T = TypeVar("T")
+_MAP_READ = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+"""How :meth:`LocalReader.mapped` maps: every page at once (one fault per 4 KiB page instead
+cost more than the checksum of those pages)."""
+_SHARED: "weakref.WeakValueDictionary[tuple[int, int], mmap.mmap]" = weakref.WeakValueDictionary()
+
+
+def share_mapping(fd: int, mapping: mmap.mmap) -> None:
+    """``mapping`` maps the whole file ``fd`` of a memory level and lives on in this process (a
+    snapshot buffer: save/filebuffers.py): :meth:`LocalReader.mapped` of that file (any of its hard
+    links) returns it instead of mapping the file again, whose page tables cost 12 ms of CPU per
+    176 MiB (2026-11-28). Forgotten when ``mapping`` is garbage."""
+    st = os.fstat(fd)
+    _SHARED[(st.st_dev, st.st_ino)] = mapping
 
 
 @register(lambda fs: isinstance(fs, LocalFileSystem))
@@ -197,6 +212,26 @@ class LocalReader(Reader):
         super().__init__(storage, rel)
         where = storage.describe(rel)  # regular files only, no link below the root (see guard)
         self._fd: int | None = storage.run("open", rel, lambda: guard.open_regular(storage.root, rel, where))
+        self._map: mmap.mmap | None = None
+
+    def mapped(self) -> memoryview | None:
+        """The file mapped read-only, on a memory level only: there a read cannot fail with an I/O
+        error (which a mapping would turn into SIGBUS), and the engine never shortens a file it
+        committed. Why: ``preadv`` from tmpfs copies 4 KiB pages one at a time in the kernel, 41 ms of
+        CPU for a 176 MiB flush against ~8 ms to checksum the mapped pages (2026-11-28)."""
+        if not self._storage.in_memory or self._fd is None:
+            return None
+        if self._map is None:
+            st = os.fstat(self._fd)
+            size = st.st_size
+            if size == 0:
+                return None
+            shared = _SHARED.get((st.st_dev, st.st_ino))
+            if shared is not None and not shared.closed and len(shared) >= size:
+                return memoryview(shared)[:size].toreadonly()
+            self._map = self._storage.run("map", self._rel, lambda: mmap.mmap(self._fd, size, _MAP_READ,
+                                                                              mmap.PROT_READ))
+        return memoryview(self._map)
 
     def _read(self, offset: int, dest: memoryview) -> int:
         if self._fd is None:
@@ -226,6 +261,12 @@ class LocalReader(Reader):
         return got
 
     def close(self) -> None:
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a view of it is still held somewhere: it closes when that goes
+                pass
+            self._map = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
