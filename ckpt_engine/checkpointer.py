@@ -28,7 +28,7 @@ import warnings
 from collections import deque
 from typing import Any, Literal, Sequence
 
-from .comm import Comm, LocalComm, cores_per_rank
+from .comm import Comm, LocalComm, copy_threads_for, cores_per_rank
 from .config import CheckpointConfig, level_specs
 from .errors import CheckpointError, CheckpointWarning
 from .format.catalog import dir_name
@@ -78,7 +78,7 @@ class Checkpointer(CheckpointReading):
         read_threads: parallel reads per rank in ``load()``; default: this machine's cores
             divided among the ranks that share it (``LOCAL_WORLD_SIZE``, else the world size).
         copy_threads: threads of a snapshot copy training waits for (CPU tensors; a deferred
-            copy uses one); default: as ``read_threads``.
+            copy uses one); default: as ``read_threads`` where that is 4 or more, else 1.
         restore_route: how ``restore()`` on several ranks gets the replicated state's large
             pieces: ``"read"`` (every rank reads all of them from storage), ``"exchange"`` (each
             rank reads 1/N and the communicator brings the rest), or ``"auto"`` (the default:
@@ -123,7 +123,7 @@ class Checkpointer(CheckpointReading):
         self.on_busy, self.on_error = on_busy, on_error
         self.commit_timeout = commit_timeout
         self.read_threads = read_threads or cores_per_rank(self.world_size)
-        self.copy_threads = copy_threads or cores_per_rank(self.world_size)
+        self.copy_threads = copy_threads or copy_threads_for(self.world_size)
         self._exchange = Exchange(self.comm, restore_route)
         self._tally = Tally()
         self._dest = open_destination(specs, self.comm, readonly, commit_timeout, flush_retries, self._tally)

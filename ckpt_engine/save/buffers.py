@@ -28,6 +28,10 @@ class PendingCopy(Protocol):
 class HostBuffer:
     """A reusable host byte buffer (pinned when the state lives on a GPU), zero-filled once."""
 
+    checksums: "tuple[str, ...] | None" = None
+    """The xxh3-64 of each piece of the snapshot in it, computed by the copy (all pieces on the CPU:
+    save/copy.py), for persist to use; ``None`` when persist computes them."""
+
     def __init__(self, nbytes: int, pinned: bool) -> None:
         # zeros: the padding between pieces is written and checksummed, and must not leak old memory.
         # Page-aligned start, so persist can write it with O_DIRECT (see storage.write_stream).

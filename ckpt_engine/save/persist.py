@@ -69,11 +69,14 @@ def write_rank(storage: Storage, job: PersistJob) -> None:
     view = job.buffer.view(job.nbytes)
     ends = [p.offset for p in job.pieces[1:]] + [job.nbytes]  # layout order: each piece padded up to the next
 
+    copied = job.buffer.checksums  # computed by the copy, a piece at a time (save/copy.py)
+    known = copied if copied is not None and len(copied) == len(job.pieces) else None
+
     def checksums() -> tuple[tuple[IndexEntry, ...], float]:
         begin = time.thread_time()
-        entries = tuple(IndexEntry(p.local, p.tensor, p.start, p.stop, p.offset, p.nbytes,
-                                   xxhash.xxh3_64_hexdigest(view[p.offset:end]), box=p.box)
-                        for p, end in zip(job.pieces, ends))
+        digests = known or [xxhash.xxh3_64_hexdigest(view[p.offset:end]) for p, end in zip(job.pieces, ends)]
+        entries = tuple(IndexEntry(p.local, p.tensor, p.start, p.stop, p.offset, p.nbytes, d, box=p.box)
+                        for p, d in zip(job.pieces, digests))
         return entries, time.thread_time() - begin
 
     storage.makedirs(job.dirname)
@@ -83,7 +86,7 @@ def write_rank(storage: Storage, job: PersistJob) -> None:
     else:
         # The checksums (xxh3 releases the GIL) are computed beside the write, which reads the same
         # buffer and mostly waits on the device; the index that holds them is written after both.
-        hashing = _HASHER.submit(checksums) if job.nbytes >= _OVERLAP_MIN else None
+        hashing = _HASHER.submit(checksums) if job.nbytes >= _OVERLAP_MIN and known is None else None
         # No directory fsync here: the index file's atomic write below syncs the same directory.
         storage.write_stream(rel, [view], sync_dir=False)
         entries, hash_cpu = hashing.result() if hashing is not None else checksums()

@@ -8,7 +8,9 @@ persist writes them unchanged.
 
 While training waits for a CPU copy, the copy may use the cores the rank has: ``copy_threads``
 threads (the checkpointer's default: this machine's cores divided among the ranks sharing it, as
-for reads), taking 4 MiB chunks of the bytes in turn (a call crossing a chunk's end is cut). One thread copies at
+for reads, where that is at least 4, else one: ``comm.copy_threads_for``), taking about 4 MiB of
+the bytes at a time in turn (whole pieces when each is checksummed as it is copied, else a call
+crossing a chunk's end is cut). One thread copies at
 most about 20 GB/s on a server core and about 6 here, so a second one pays off on any copy of more
 than a few MiB. Never more threads than that: ranks sharing the cores would fight over them, and
 the library never touches ``torch.set_num_threads``. A deferred copy (``save(defer=True)``) runs

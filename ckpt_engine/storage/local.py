@@ -28,9 +28,7 @@ from . import guard, poll
 from .base import TMP_PREFIX, Chunks, Reader, Storage, register
 
 T = TypeVar("T")
-_MAP_READ = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-"""How :meth:`LocalReader.mapped` maps: every page at once (one fault per 4 KiB page instead
-cost more than the checksum of those pages)."""
+_MAP_READ = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # every page at once: not a fault per page
 _SHARED: "weakref.WeakValueDictionary[tuple[int, int], mmap.mmap]" = weakref.WeakValueDictionary()
 
 
