@@ -65,7 +65,9 @@ def elastic(args: argparse.Namespace) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3 * hvd.size())
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
-    state = DurableTorchState(args.ckpt_dir, model=model, optimizer=optimizer, epoch=0, batch=0)
+    levels = [{"kind": "memory", "path": args.memory, "job": "elastic"}, args.ckpt_dir] if args.memory else None
+    state = DurableTorchState(None if levels else args.ckpt_dir, model=model, optimizer=optimizer, levels=levels,
+                              epoch=0, batch=0)
     started = []
 
     @hvd.elastic.run
@@ -159,6 +161,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batches", type=int, default=4)
     p.add_argument("--step-delay", type=float, default=0.0)
+    p.add_argument("--memory", default=None, help="elastic: a memory level in this directory before --ckpt-dir")
     p.add_argument("--phase", choices=["save", "restore"], default="save")
     p.add_argument("--restore-route", choices=["auto", "read", "exchange"], default=None)
     p.add_argument("--modes", default="checkpoint")

@@ -11,6 +11,7 @@ import importlib
 import json
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -371,6 +372,39 @@ def test_sigterm_takes_a_final_checkpoint_at_the_same_step_on_every_rank(tmp_pat
     assert state["step"] == steps[0] and manifest.world_size == 2
     for rank in (0, 1):  # each rank stopped right at the checkpoint's step
         assert max(steps_logged(tmp_path / "log", rank)) in (steps[0] - 1, steps[0])
+
+
+@needs_horovod
+@job
+def test_elastic_job_with_a_memory_level_resumes_from_memory_when_the_disk_is_lost(tmp_path):
+    """``DurableTorchState(levels=[memory, disk])`` under ``hvd.elastic.run``: every process SIGKILLed,
+    the disk level deleted; the restarted job finds its checkpoints in the node's memory, resumes from
+    the newest, and ends where the uninterrupted job ended, bit for bit; its clean end frees the memory."""
+    mem = tmp_path / "mem"
+    args = ["elastic", "--ckpt-dir", str(tmp_path / "ck"), "--epochs", "3", "--batches", "4", "--memory", str(mem)]
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    run(2, WORKER, "elastic", "--ckpt-dir", str(ref / "ck"), "--epochs", "3", "--batches", "4", "--out", str(ref),
+        elastic_dir=ref)
+
+    def in_memory() -> list[int]:  # steps both ranks committed in memory
+        steps = [{int(p.parent.name.split("-")[1]) for p in mem.glob(f"elastic/node-*/rank-0000{r}/step-*/rank-commit.json")}
+                 for r in (0, 1)]
+        return sorted(steps[0] & steps[1])
+
+    job = launch(2, WORKER, *args, "--out", str(tmp_path / "a"), "--step-delay", "0.2", elastic_dir=tmp_path)
+    wait_until(lambda: in_memory() and max(in_memory()) >= 6, job)
+    kill_tree(job)
+    newest = max(in_memory())
+    shutil.rmtree(tmp_path / "ck")  # only the node's memory holds checkpoints now
+
+    out = run(2, WORKER, *args, "--out", str(tmp_path / "b"), elastic_dir=tmp_path)
+    starts = [json.loads(line.split(":", 1)[1]) for line in out.splitlines() if '{"start"' in line]
+    assert starts and all(s["start"] >= newest for s in starts), out  # the newest any rank committed, or later
+    for rank in (0, 1):
+        assert_same(torch.load(tmp_path / "b" / f"final-rank{rank}.pt", weights_only=False),
+                    torch.load(ref / f"final-rank{rank}.pt", weights_only=False))
+    assert not list(mem.glob("elastic/node-*/rank-*/step-*"))  # released at the clean end
 
 
 @needs_horovod

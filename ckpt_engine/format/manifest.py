@@ -96,8 +96,9 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(r.data_bytes for r in self.ranks)
 
-    def to_json(self) -> bytes:
-        body = {
+    def body(self) -> dict:
+        """The manifest's JSON body as a dictionary (what :meth:`to_json` seals)."""
+        return {
             "format_version": _version(any(t.sharding is not None for t in self.tensors)), "step": self.step,
             "world_size": self.world_size,
             "created_at": self.created_at, "split_threshold": self.split_threshold,
@@ -106,7 +107,9 @@ class Manifest:
                       for r in self.ranks],
             "meta": self.meta,
         }
-        return seal(capped(json.dumps(body, separators=(",", ":"), allow_nan=False).encode(), MAX_MANIFEST_BYTES - 64,
+
+    def to_json(self) -> bytes:
+        return seal(capped(json.dumps(self.body(), separators=(",", ":"), allow_nan=False).encode(), MAX_MANIFEST_BYTES - 64,
                             "the manifest (the state's plain values and tensor table)"))
 
     @staticmethod

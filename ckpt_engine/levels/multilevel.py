@@ -135,7 +135,8 @@ class MultiLevel:
             if ok and self.node_local:
                 ok = False
                 write_rank_commit(self.fast.storage, job.dirname, self.rank,
-                                  inputs.manifest_body((), time.time()))  # type: ignore[union-attr]
+                                  inputs.manifest_body((), time.time()),  # type: ignore[union-attr]
+                                  (job.index, job.nbytes) if job.index is not None else None)
                 job.record.committed = ok = True
         finally:
             if self.replicator is not None:

@@ -56,6 +56,8 @@ class PersistJob:
     commit: CommitInputs | None = None
     durable: bool = False
     """Set once this rank's files are durable (and, on the committer, committed)."""
+    index: bytes | None = None
+    """The index file's bytes once written (a node-local commit records their checksum)."""
 
 
 def write_rank(storage: Storage, job: PersistJob) -> None:
@@ -95,7 +97,9 @@ def write_rank(storage: Storage, job: PersistJob) -> None:
     index = RankIndex(job.step, job.rank, job.world_size, job.attempt, job.nbytes, entries, job.local_tensors,
                       job.local_tree, {"snapshot_s": job.record.snapshot_s, "persist_s": job.record.persist_s,
                                        "stall_s": job.record.stall_s})
-    storage.write_atomic(f"{job.dirname}/{index_file(job.rank)}", index.to_json())
+    raw = index.to_json()
+    storage.write_atomic(f"{job.dirname}/{index_file(job.rank)}", raw)
+    job.index = raw
 
 
 class PersistWorker:
