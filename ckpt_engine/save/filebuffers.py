@@ -87,6 +87,11 @@ class FileBuffers:
         self.directory = directory
         self._seq = itertools.count()
 
+    def remove(self) -> None:
+        """At ``close``: every buffer's name goes, so the memory of those no checkpoint links is
+        freed (a job that kept its checkpoints in memory left its unused buffers behind before)."""
+        shutil.rmtree(self.directory, ignore_errors=True)
+
     def __call__(self, nbytes: int, pinned: bool) -> HostBuffer:
         if not pinned:
             try:

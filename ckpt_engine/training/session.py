@@ -140,7 +140,7 @@ class TrainingSession:
         if not self._reserved:
             self._reserved = True
             if not due:
-                self._open().reserve(*self._envelope(capture))
+                self._open().reserve(*self._envelope(capture), background=True)
                 schedule.restart_clock()  # the reservation is no training iteration
         return due
 
