@@ -503,3 +503,27 @@ def test_a_background_reservation_lets_training_go_on_and_saves_never_allocate_a
     quick.close()  # at once: the reservation stops, nothing is left behind
     assert not any(t.name == "ckpt-reserve" for t in threading.enumerate())
     assert not (tmp_path / "mem2" / "j").exists() or not list((tmp_path / "mem2" / "j").rglob("buf-*"))
+
+
+def test_a_second_background_reservation_does_not_make_the_buffers_the_first_is_still_making():
+    """``reserve(background=True)`` twice (a state that changed, a second set-up): the buffers the first
+    reservation's thread has yet to make count as coming, so none is made twice."""
+    import threading
+
+    from ckpt_engine.save.buffers import BufferPool, HostBuffer
+
+    pool, gate, made = BufferPool(1), threading.Event(), []
+
+    def make(nbytes, pinned):
+        if made:  # the first buffer comes at once; the thread's wait at the gate
+            gate.wait(2)
+        made.append(nbytes)
+        return HostBuffer(nbytes, pinned)
+
+    pool.make = make
+    pool.reserve(4096, False, kept=3, background=True)
+    pool.reserve(4096, False, kept=3, background=True)  # the thread is still at its first buffer
+    gate.set()
+    pool._reserver.join(10)  # the thread makes the rest and ends
+    assert pool.allocations == len(made) == 4
+    pool.stop_reserving()

@@ -138,8 +138,9 @@ class BufferPool:
         needs one before it is made waits for it."""
         with self._cond:
             usable = [b for b in self._free if b.capacity >= nbytes and b.pinned == pinned and b.reusable(nbytes)]
-            missing = max(0, self.max_inflight + kept - self._taken - len(usable))
-            now = min(missing, 0 if usable else 1) if background and self._reserver is None else missing
+            missing = max(0, self.max_inflight + kept - self._taken - len(usable) - self._reserving)
+            later = background and (self._reserver is None or not self._reserver.is_alive())
+            now = min(missing, 0 if usable or self._reserving else 1) if later else missing
             for _ in range(now):
                 self._free.append(self.make(nbytes, pinned))
                 self.allocations += 1
