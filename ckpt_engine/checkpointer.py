@@ -294,6 +294,7 @@ class Checkpointer(CheckpointReading):
             self._worker.stop()
             self._raise_background_error("warn")
             self._warn_retention(self._dest.close(release_memory))
+            self._pool.drop_all()
             self._snapshots.close()
 
     def __enter__(self) -> "Checkpointer":

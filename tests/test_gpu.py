@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -348,6 +349,40 @@ def test_lightning_job_on_the_gpu_killed_and_resumed_is_bitwise_identical(tmp_pa
     flags = ["--devices", "1", "--accelerator", "gpu"] + (["--pipeline"] if pipeline else [])
     killed_and_resumed(tmp_path, flags, 23, (20,))
 
+@cuda
+def test_a_memory_level_takes_the_device_copy_in_its_own_page_locked_pages_and_links_them(tmp_path):
+    """With a memory level, the snapshot of CUDA state lands in the level's tmpfs buffer, page-locked
+    for CUDA (``cudaHostRegister``), and persist commits that buffer by a hard link: no second copy of
+    the state into tmpfs per save. Bit for bit on load; ``close()`` unlocks and removes the buffers."""
+    import tempfile
+
+    from ckpt_engine.save.filebuffers import FileBuffer
+
+    state = {"w": torch.randn(1 << 20, device="cuda"), "h": torch.randn(4097, device="cuda").bfloat16()}
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as mem:
+        ck = Checkpointer(levels=[{"kind": "memory", "path": mem, "job": "gpu"}, str(tmp_path / "disk")],
+                          keep_last=2)
+        ck.reserve(state)
+        buffers = list(ck._pool._free)
+        assert buffers and all(isinstance(b, FileBuffer) and b.pinned for b in buffers), buffers
+        assert all(b.tensor.is_pinned() for b in buffers)  # torch sees the lock: copies run asynchronously
+        expect = []
+        for step in range(1, 4):
+            expect.append(to_cpu(state))
+            ck.save(state, step)
+            state["w"].add_(1)  # the snapshot is taken: the state may change
+            ck.wait()
+            own = ck.levels[0]
+            data = own.path(f"{max(own.listdir(''))}/rank-00000.bin")
+            assert os.stat(data).st_nlink == 2  # the buffer's file and the checkpoint's: one inode
+        assert_same(ck.load(), expect[-1])
+        assert_same(ck.load(step=2), expect[1])
+        ck.close(timeout=60)
+        assert not any(b.pinned for b in buffers)  # unlocked: freed with their last link
+    with Checkpointer(str(tmp_path / "disk"), readonly=True) as disk:
+        assert_same(disk.load(), expect[-1])  # flushed from those same pages
+
+
 _CPU_LOADER = """
 import sys, torch
 from ckpt_engine import Checkpointer
@@ -419,6 +454,32 @@ def test_bench_gpu_tiny_runs_end_to_end(tmp_path):
         r = train["runs"][name]
         assert "error" not in r and r["step_s"] > 0 and "overhead" in r, (name, r)
         assert r["checkpoints"] >= (0 if name.startswith("baseline") else 1), (name, r)
+
+
+def test_bench_gpu_lightning_tiny_runs_end_to_end(tmp_path):
+    """bench_gpu_lightning.py --tiny (a 2-layer GPT-2 on the CPU): every contender fits, ours checkpoint
+    through the levels they name (the memory level's buffers are its tmpfs files) and the table has them."""
+    out, shm = tmp_path / "out", f"/dev/shm/ckpt-bgl-{os.getpid()}"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), CUDA_VISIBLE_DEVICES="")
+    try:
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_gpu_lightning.py"), "--tiny",
+                               "--out", str(out), "--work", str(tmp_path / "work"), "--shm", shm],
+                              env=env, capture_output=True, text=True, timeout=280)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        assert not os.path.exists(shm) or not os.listdir(shm)  # each fit's memory released at its end
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    res = json.loads((out / "bench_gpu_lightning.json").read_text())
+    rows = {r["contender"]: r for r in res["rows"]}
+    assert set(rows) == {"none", "disk", "memory", "memory_pipeline"}
+    for name, r in rows.items():
+        assert r["steps"] == res["meta"]["steps"] and r["train_s"] > 0 and r["fit_s"] >= r["train_s"], r
+        if name != "none":
+            assert r["counters"]["committed"] == r["counters"]["saves"] == 3 and r["checkpoint_bytes"] > 0, r
+    assert rows["disk"]["buffers"] == ["HostBuffer"] and rows["memory"]["buffers"] == ["FileBuffer"]
+    assert rows["memory"]["counters"]["flushed"] >= 1
+    table = (out / "bench_gpu_lightning.md").read_text()
+    assert all(f"| {name} |" in table for name in rows)
 
 
 # ---- without a device: the plan, the strided gather, the deferred contract ------------------------------

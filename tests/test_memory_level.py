@@ -527,3 +527,21 @@ def test_a_second_background_reservation_does_not_make_the_buffers_the_first_is_
     pool._reserver.join(10)  # the thread makes the rest and ends
     assert pool.allocations == len(made) == 4
     pool.stop_reserving()
+
+
+def test_a_buffer_cuda_cannot_page_lock_leaves_no_file_and_the_save_goes_to_ordinary_memory(tmp_path):
+    """A memory level's buffer for CUDA state is page-locked for CUDA; where that is refused (here: no
+    CUDA at all; on a GPU, a kernel or sandbox that cannot lock file pages), the file is removed at
+    once and the pool falls back to an ordinary host buffer, which is written to the level as a file."""
+    from ckpt_engine.host import pinning
+    from ckpt_engine.save.filebuffers import FileBuffer, FileBuffers
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA locks the pages here: tests/test_gpu.py covers it")
+    assert not pinning.register(0x1000, 4096)
+    path = tmp_path / "buf-0"
+    with pytest.raises(OSError, match="could not page-lock.*buf-0"):
+        FileBuffer(str(path), 1 << 16, pinned=True)
+    assert not path.exists()
+    made = FileBuffers(str(tmp_path / "bufs"))(1 << 16, False)
+    assert isinstance(made, FileBuffer) and not made.pinned and os.listdir(tmp_path / "bufs") == ["buf-0"]

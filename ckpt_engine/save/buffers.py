@@ -176,6 +176,14 @@ class BufferPool:
         if thread is not None:
             thread.join()
 
+    def drop_all(self) -> None:
+        """Let every buffer given back go (at ``close``): a page-locked file buffer is unlocked, so
+        its memory is freed with its last link rather than at the end of the process."""
+        with self._cond:
+            free, self._free = self._free, []
+        for buf in free:
+            buf.drop()
+
     def release(self, buf: HostBuffer) -> None:
         """Give ``buf`` back for reuse."""
         with self._cond:

@@ -9,8 +9,10 @@ them all: its link count is 1 again), so the pool holds as many as the memory le
 ones in flight. A buffer whose size differs from the snapshot's (a CUDA snapshot's staging areas,
 a state that changed shape) is written the ordinary way.
 
-Pinning these pages for CUDA copies (``cudaHostRegister``) is not done: a CUDA snapshot uses a
-pinned :class:`~ckpt_engine.save.buffers.HostBuffer` and is written to the memory level as a file.
+When the state lives on a GPU, the buffer's pages are page-locked for CUDA (``cudaHostRegister``,
+host/pinning.py), so the device-to-host copy lands in the memory checkpoint itself and is committed by
+the same link. Where CUDA refuses to lock them, the snapshot goes to torch's pinned memory
+(:class:`~ckpt_engine.save.buffers.HostBuffer`) and is written to the memory level as a file.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import shutil
 
 import torch
 
+from ..host import pinning
 from ..storage import Storage
 from ..storage.local import share_mapping
 from .buffers import HostBuffer
@@ -31,9 +34,10 @@ BUFFERS = ".buffers"
 
 
 class FileBuffer(HostBuffer):
-    """A snapshot buffer that is the file ``path`` (``nbytes`` long, zero-filled), mapped shared."""
+    """A snapshot buffer that is the file ``path`` (``nbytes`` long, zero-filled), mapped shared;
+    ``pinned``: page-locked for CUDA copies, or ``OSError`` where CUDA refuses."""
 
-    def __init__(self, path: str, nbytes: int) -> None:
+    def __init__(self, path: str, nbytes: int, pinned: bool = False) -> None:
         size = max(nbytes, 1)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -52,8 +56,13 @@ class FileBuffer(HostBuffer):
         os.close(fd)
         self.path = path
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.pinned = False
         self.address = self.tensor.data_ptr()
+        self.pinned = pinned
+        if pinned and not pinning.register(self.address, size):
+            del self.tensor
+            self._map.close()
+            os.remove(path)
+            raise OSError(f"CUDA could not page-lock the memory level's buffer {path} ({size} bytes)")
         self.event = None
         self._views: dict[tuple, torch.Tensor] = {}
 
@@ -71,6 +80,9 @@ class FileBuffer(HostBuffer):
         return self.linked()
 
     def drop(self) -> None:
+        if self.pinned:  # only the lock goes: a flush may still read the pages of a checkpoint linking it
+            pinning.unregister(self.address)
+            self.pinned = False
         try:
             os.remove(self.path)
         except OSError:
@@ -78,8 +90,8 @@ class FileBuffer(HostBuffer):
 
 
 class FileBuffers:
-    """Makes the :class:`FileBuffer` s of one rank in ``directory`` (the pool's ``make``); pinned
-    (CUDA) buffers stay ordinary host memory."""
+    """Makes the :class:`FileBuffer` s of one rank in ``directory`` (the pool's ``make``); where one
+    cannot be made (the tmpfs is full, CUDA refuses to page-lock it), an ordinary host buffer."""
 
     def __init__(self, directory: str) -> None:
         shutil.rmtree(directory, ignore_errors=True)  # an earlier incarnation's: its checkpoints keep their links
@@ -93,12 +105,10 @@ class FileBuffers:
         shutil.rmtree(self.directory, ignore_errors=True)
 
     def __call__(self, nbytes: int, pinned: bool) -> HostBuffer:
-        if not pinned:
-            try:
-                return FileBuffer(os.path.join(self.directory, f"buf-{next(self._seq)}"), nbytes)
-            except OSError:  # the tmpfs is full: ordinary memory; writing it reports the full level
-                pass
-        return HostBuffer(nbytes, pinned)
+        try:
+            return FileBuffer(os.path.join(self.directory, f"buf-{next(self._seq)}"), nbytes, pinned)
+        except OSError:  # the tmpfs is full (writing it reports the full level), or CUDA refused
+            return HostBuffer(nbytes, pinned)
 
 
 def link_data(storage: Storage, rel: str, buffer: HostBuffer, nbytes: int) -> bool:
