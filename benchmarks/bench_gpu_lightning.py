@@ -163,7 +163,9 @@ def fit(contender: str, steps: int, every: int, work: str, shm: str, tiny: bool,
         row.update({"counters": {k: v for k, v in counters.items() if v},
                     "stall_ms_median": statistics.median(stalls) if stalls else float("nan"),
                     "stall_ms_max": max(stalls) if stalls else float("nan"),
-                    "checkpoint_bytes": records[-1].bytes if records else 0})
+                    "checkpoint_bytes": records[-1].bytes if records else 0,
+                    "stalls_ms": [[r.step, round(r.stall_s * 1e3, 1)] for r in records],
+                    "allocations": ck._pool.allocations if ck is not None else 0})
         row["buffers"] = after.buffers
     row["params"] = sum(t.numel() for t in module.parameters())
     del trainer, module, ours, after
@@ -183,7 +185,7 @@ def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
              f"{meta['steps']} steps, a checkpoint every {meta['every']}, timed from step {FIRST_TIMED}; "
              f"memory level in {meta['shm']}, disk level in {meta['disk']}.", "",
              "| contender | fits | train s (median) | overhead, steps (min vs min) | overhead, steps (median) "
-             "| drain s | fit incl. drain | median stall ms | buffers | counters |",
+             "| drain s | fit incl. drain | median / max stall ms | buffers (made) | counters |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name in CONTENDERS:
         mine = [r for r in rows if r["contender"] == name]
@@ -195,7 +197,8 @@ def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                      f"{statistics.median(train) / base - 1:+.1%} | "
                      f"{statistics.median(r['drain_s'] for r in mine):.2f} | "
                      f"{min(r['fit_s'] for r in mine) / base_fit - 1:+.1%} | "
-                     f"{last.get('stall_ms_median', float('nan')):.1f} | {', '.join(last.get('buffers', [])) or '-'} | "
+                     f"{last.get('stall_ms_median', float('nan')):.1f} / {last.get('stall_ms_max', float('nan')):.0f} | "
+                     f"{', '.join(last.get('buffers', [])) or '-'} ({last.get('allocations', 0)}) | "
                      f"{json.dumps(last.get('counters', {}), sort_keys=True) if 'counters' in last else '-'} |")
     return "\n".join(lines) + "\n"
 

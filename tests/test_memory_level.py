@@ -545,3 +545,37 @@ def test_a_buffer_cuda_cannot_page_lock_leaves_no_file_and_the_save_goes_to_ordi
     assert not path.exists()
     made = FileBuffers(str(tmp_path / "bufs"))(1 << 16, False)
     assert isinstance(made, FileBuffer) and not made.pinned and os.listdir(tmp_path / "bufs") == ["buf-0"]
+
+
+def test_a_flush_that_lags_never_makes_a_save_allocate_a_buffer(tmp_path):
+    """A memory level's flushers may hold two checkpoints beyond ``keep_last`` (the one being copied,
+    the newest not yet copied); their buffers are reserved in the background with the others, so a save
+    never makes one on the training thread while a flush lags (on an H200 one such 1.5 GB page-locked
+    buffer held a GPT-2's step for 0.84 s). Within the level's room: a budget for ``keep_last`` + 1
+    checkpoints gets no spare."""
+    import threading
+
+    from ckpt_engine.testing import GatedStorage
+
+    state = lambda v: {"w": torch.full((1 << 16,), float(v))}  # noqa: E731
+    disk = GatedStorage(str(tmp_path / "disk"))
+    ck = Checkpointer(levels=[{"kind": "memory", "path": str(tmp_path / "mem"), "job": "j"}, disk], keep_last=2)
+    makers, make = [], ck._pool.make
+    ck._pool.make = lambda nbytes, pinned: (makers.append(threading.current_thread().name), make(nbytes, pinned))[1]
+    ck.reserve(state(0), background=True)
+    for step in range(1, 9):  # the disk takes nothing: the flusher holds the first checkpoint throughout
+        ck.save(state(step), step)
+        ck.wait(retention=True)
+    assert ck._pool.allocations == len(makers) == 2 + 2 + 1, makers
+    assert makers[0] == threading.main_thread().name and set(makers[1:]) == {"ckpt-reserve"}, makers
+    disk.gate.set()
+    ck.close(timeout=30)
+    with Checkpointer(str(tmp_path / "disk"), readonly=True) as flushed:
+        assert digest(flushed.load()) == digest(state(8))
+
+    footprint = (1 << 16) * 4 + 4096  # one part with its page padding: room for 3 checkpoints, not 5
+    tight = Checkpointer(levels=[{"kind": "memory", "path": str(tmp_path / "mem2"), "job": "j", "budget": 3 * footprint},
+                                 str(tmp_path / "disk2")], keep_last=2)
+    tight.reserve(state(0))
+    assert tight._pool.allocations == 3
+    tight.close()
