@@ -147,7 +147,7 @@ def render_section(section: str, files: list[Result]) -> str:
     for r in files:
         data = r.load()
         lines += [f"**[`results/{r.name}`](results/{r.name})**: {run_line(r, data)}.", ""]
-        if section == "bench_gpu":
+        if r.family.startswith("bench_gpu") and r.ext == "json":
             sys.path.insert(0, HERE)
             from bench_gpu import markdown
 
