@@ -18,13 +18,12 @@ the same link. Where CUDA refuses to lock them, the snapshot goes to torch's pin
 from __future__ import annotations
 
 import itertools
-import mmap
 import os
 import shutil
 
 import torch
 
-from ..host import pinning
+from ..host import hugepages, pinning
 from ..storage import Storage
 from ..storage.local import share_mapping
 from .buffers import HostBuffer
@@ -44,10 +43,11 @@ class FileBuffer(HostBuffer):
             # Every page allocated now: a tmpfs that fills up later must not turn the snapshot copy's
             # first touch of a page into SIGBUS. A full one raises OSError (ENOSPC) here instead.
             os.posix_fallocate(fd, 0, size)
-            # ...and mapped now (MAP_POPULATE): the first write to each page of a fresh shared mapping is
+            # ...and mapped now, every page: the first write to each page of a fresh shared mapping is
             # a page fault, 176 MiB ~70 ms against ~19 ms for the copy itself, which would otherwise land
-            # in the first snapshot into each buffer (tests/test_memory_level.py).
-            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
+            # in the first snapshot into each buffer (tests/test_memory_level.py). Off the GIL: this runs
+            # beside training (hugepages.map_file).
+            self._map = hugepages.map_file(fd, size, writable=True)
             share_mapping(fd, self._map)  # a flush of a checkpoint linking it reads these pages (storage/local.py)
         except OSError:
             os.close(fd)

@@ -24,11 +24,11 @@ import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
 from ..errors import StorageError
+from ..host.hugepages import map_file
 from . import guard, poll
 from .base import TMP_PREFIX, Chunks, Reader, Storage, register
 
 T = TypeVar("T")
-_MAP_READ = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # every page at once: not a fault per page
 _SHARED: "weakref.WeakValueDictionary[tuple[int, int], mmap.mmap]" = weakref.WeakValueDictionary()
 
 
@@ -227,8 +227,8 @@ class LocalReader(Reader):
             shared = _SHARED.get((st.st_dev, st.st_ino))
             if shared is not None and not shared.closed and len(shared) >= size:
                 return memoryview(shared)[:size].toreadonly()
-            self._map = self._storage.run("map", self._rel, lambda: mmap.mmap(self._fd, size, _MAP_READ,
-                                                                              mmap.PROT_READ))
+            fd = self._fd  # every page mapped at once, off the GIL (a flush runs beside training)
+            self._map = self._storage.run("map", self._rel, lambda: map_file(fd, size, writable=False))
         return memoryview(self._map)
 
     def _read(self, offset: int, dest: memoryview) -> int:
