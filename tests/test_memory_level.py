@@ -484,8 +484,7 @@ def test_a_background_reservation_lets_training_go_on_and_saves_never_allocate_a
 
     state = lambda v: {"w": torch.full((1 << 16,), float(v))}  # noqa: E731
     ck = Checkpointer(levels=[{"kind": "memory", "path": str(tmp_path / "mem"), "job": "j"}], keep_last=3)
-    ck.reserve(state(0), background=True)
-    assert ck._pool.allocations >= 1
+    ck.reserve(state(0), background=True)  # returns at once: every buffer is made on ckpt-reserve
     for step in range(1, 9):  # the first saves may come before the reservation ended
         ck.save(state(step), step)
         ck.wait(retention=True)
@@ -567,7 +566,7 @@ def test_a_flush_that_lags_never_makes_a_save_allocate_a_buffer(tmp_path):
         ck.save(state(step), step)
         ck.wait(retention=True)
     assert ck._pool.allocations == len(makers) == 2 + 2 + 1, makers
-    assert makers[0] == threading.main_thread().name and set(makers[1:]) == {"ckpt-reserve"}, makers
+    assert set(makers) == {"ckpt-reserve"}, makers  # none on the training thread
     disk.gate.set()
     ck.close(timeout=30)
     with Checkpointer(str(tmp_path / "disk"), readonly=True) as flushed:
