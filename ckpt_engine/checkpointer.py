@@ -240,9 +240,9 @@ class Checkpointer(CheckpointReading):
         """Plan ``state``/``local`` and allocate the snapshot buffers now (call it at set-up).
 
         Optional: without it the first ``save()`` allocates them, and first-touch page faults
-        then land in that save's stall (about 0.2 s per GiB here). ``background``: allocate the
-        first buffer now and the others on a background thread while training goes on (what the
-        front ends do); a save that needs one before it is made waits for it.
+        then land in that save's stall (about 0.2 s per GiB here). ``background``: allocate them
+        on a background thread while training goes on (what the front ends do); a save that needs
+        one before it is made waits for the one being made.
         """
         self._check_open()
         # the plan includes the staging areas
