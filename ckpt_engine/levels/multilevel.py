@@ -92,7 +92,8 @@ class MultiLevel:
     def kept_buffers(self) -> int:
         """A memory level's snapshot buffers are its checkpoints: ``keep_last`` of them reserved,
         and, with slower levels, the two that the flushers may keep beyond them for a while (the one
-        being copied, the newest not yet copied). Made on demand, those landed on a save whenever a
+        being copied and, on the other ranks, the one rank 0 chose next: levels/flush.py, ``protected``;
+        the newest not yet copied is among the newest ``keep_last`` already). Made on demand, those landed on a save whenever a
         flush lagged: a 1.5 GB page-locked buffer held a GPT-2's training step for 0.84 s on an H200
         (2026-11-28). Reserved in the background like the others, they cost that once, off the
         training thread (and ~0.14 s of CPU per 176 MiB on the CPU VM). Only as far as the level's
