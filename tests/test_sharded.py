@@ -160,6 +160,13 @@ def test_a_crash_at_any_instant_of_a_sharded_save_leaves_the_previous_checkpoint
             if newest:
                 assert next_line(q, "resumed", time.monotonic() + 120) == f"resumed {newest}"
             next_line(q, f"saved {newest + 2}", time.monotonic() + 120)
+            # ``saved N`` is printed when save() returns, before the commit (asynchronous): wait until a
+            # newer checkpoint is committed, then kill at a random instant of the saves that go on
+            # (under the whole suite's load, 0.4 s after "saved 2" had once seen nothing committed yet)
+            deadline = time.monotonic() + 120
+            while not [s for s in Checkpointer(root, readonly=True).steps() if s >= max(newest, 1)]:
+                assert time.monotonic() < deadline, f"round {round_}: nothing newer than {newest} committed"
+                time.sleep(0.05)
             time.sleep(rng.uniform(0.0, 0.4))
         finally:
             for p in procs:
