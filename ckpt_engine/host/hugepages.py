@@ -33,8 +33,9 @@ MIN_BYTES = 8 << 20
 _MADV_HUGEPAGE = 14
 
 
-def _madvise() -> "ctypes._CFuncPtr | None":
-    if not sys.platform.startswith("linux") or os.environ.get("CKPT_HUGEPAGES", "1") == "0":
+def _libc_madvise() -> "ctypes._CFuncPtr | None":
+    """libc's ``madvise`` (Linux only); a CDLL call releases the GIL."""
+    if not sys.platform.startswith("linux"):
         return None
     try:
         fn = ctypes.CDLL(None, use_errno=True).madvise
@@ -44,7 +45,8 @@ def _madvise() -> "ctypes._CFuncPtr | None":
     return fn
 
 
-_MADVISE = _madvise()
+_POPULATE = _libc_madvise()
+_MADVISE = None if os.environ.get("CKPT_HUGEPAGES", "1") == "0" else _POPULATE
 
 
 def advise(t: torch.Tensor) -> bool:
@@ -108,18 +110,6 @@ def empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
 _MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23  # Linux 5.14
 POPULATE_CHUNK = 32 << 20
 """:func:`map_file` fills the page tables this much at a time."""
-
-
-def _libc_madvise() -> "ctypes._CFuncPtr | None":
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise  # a CDLL call releases the GIL
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return fn
-
-
-_POPULATE = _libc_madvise() if sys.platform.startswith("linux") else None
 
 
 def map_file(fd: int, nbytes: int, writable: bool) -> mmap.mmap:

@@ -130,13 +130,6 @@ class BufferPool:
         self.allocations += 1
         return self.make(nbytes, pinned)
 
-    def _start_reserving(self, count: int, nbytes: int, pinned: bool) -> None:
-        """Under the lock: make ``count`` buffers on the ``ckpt-reserve`` thread."""
-        self._reserving = count
-        self._reserver = threading.Thread(target=self._reserve_rest, args=(nbytes, pinned),
-                                          name="ckpt-reserve", daemon=True)
-        self._reserver.start()
-
     def reserve(self, nbytes: int, pinned: bool, kept: int = 0, background: bool = False) -> None:
         """Allocate every slot now (at set-up), so the first snapshots do not pay for it; ``kept``
         more for buffers that committed checkpoints hold (a memory level's). ``background``: all of
@@ -153,7 +146,10 @@ class BufferPool:
                 self._free.append(self.make(nbytes, pinned))
                 self.allocations += 1
             if missing > now:
-                self._start_reserving(missing - now, nbytes, pinned)
+                self._reserving = missing - now
+                self._reserver = threading.Thread(target=self._reserve_rest, args=(nbytes, pinned),
+                                                  name="ckpt-reserve", daemon=True)
+                self._reserver.start()
 
     def _reserve_rest(self, nbytes: int, pinned: bool) -> None:
         """The background part of :meth:`reserve`: one buffer at a time, each usable once made."""
