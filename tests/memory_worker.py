@@ -11,8 +11,8 @@ Modes:
 * ``save``: save ``make_state(s)`` / ``make_local(s, rank)`` for s in 1..STEPS, ``wait()`` after each,
   then ``wait(flush=True)`` unless the disk is held; write the counters, print ``saved``, then stay
   alive (the test SIGKILLs every rank: nothing is closed);
-* ``restore``: ``restore()``; write the step, the level, digests of the state and of this rank's local;
-  then ``close()``;
+* ``restore``: ``latest_step()``, then ``restore()``; write both steps, the level, digests of the state
+  and of this rank's local; then ``close()``;
 * ``loop``: ``restore()`` (``restored <step> <level> <ok>``: ok when the state and this rank's local
   are those of that step), then save every step from there until SIGKILLed, printing
   ``committed <step>`` once ``wait()`` returned (this rank's part is in its node's memory) and
@@ -92,8 +92,9 @@ def main() -> None:
     elif mode == "loop":
         loop(ck, rank)
     elif mode == "restore":
+        latest = ck.latest_step()  # what a script asks first (examples/plain_train.py)
         r = ck.restore()
-        result.update(step=r.step, level=r.level, state=digest(r.state), local=digest(r.local),
+        result.update(latest=latest, step=r.step, level=r.level, state=digest(r.state), local=digest(r.local),
                       failures=ck.load_failures)
         ck.close()
         write_result(out, rank, result)

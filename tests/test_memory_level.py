@@ -19,7 +19,7 @@ from ckpt_engine.config import ConfigError, LevelSpec, parse_levels
 from ckpt_engine.errors import CheckpointError
 from ckpt_engine.levels.memory import (NodeTable, alive_owners, check_room, claim, job_tag, node_footprint, node_key,
                                        sweep_dead_jobs)
-from ckpt_engine.levels.open import assemblable
+from ckpt_engine.levels.open import Partial, assemblable, partial
 
 sys.path.insert(0, os.path.dirname(__file__))
 from dist_worker import digest, make_local, make_state  # noqa: E402
@@ -89,11 +89,29 @@ def test_a_checkpoint_is_assembled_from_whichever_rank_holds_each_part():
     ck = [(5, "step-5-a", 4)]
     # node 1 (ranks 2, 3) lost its memory: ranks 0 and 1 hold their own parts and node 1's replicas
     held = [{"0": ck, "1": ck, "2": ck, "3": ck}, {"0": ck, "1": ck, "2": ck, "3": ck}, {}, {}]
-    assert assemblable(held, 4) == [(5, "step-5-a", (0, 1, 0, 1))]
+    assert assemblable(held) == [(5, "step-5-a", (0, 1, 0, 1))]
     whole = [{str(w): ck for w in range(4)} for _ in range(4)]
-    assert assemblable(whole, 4) == [(5, "step-5-a", (0, 1, 2, 3))]  # each its own
-    assert assemblable([{"0": ck}, {"0": ck}, {}, {}], 4) == []  # writers 1-3 nowhere
-    assert assemblable(whole, 2) == []  # written by another world size
+    assert assemblable(whole) == [(5, "step-5-a", (0, 1, 2, 3))]  # each its own
+    assert assemblable([{"0": ck}, {"0": ck}, {}, {}]) == []  # writers 1-3 nowhere
+    assert partial([{"0": ck}, {"0": ck}, {}, {}]) == [Partial(5, "step-5-a", 4, (1, 2, 3))]
+    assert partial(held) == partial(whole) == []
+
+
+def test_a_job_restarted_on_fewer_or_more_ranks_assembles_what_the_nodes_it_has_hold():
+    """4 writers; the job restarted on node 0 alone (2 ranks), or on 3 nodes (6 ranks, 2 of them on a
+    new empty node): every writer's part is read by a rank that holds it, the state is resharded."""
+    from ckpt_engine.levels.restore import candidates
+
+    ck = [(5, "step-5-a", 4)]
+    node0 = {str(w): ck for w in range(4)}  # its own parts (0, 1) and node 1's replicas (2, 3)
+    assert assemblable([node0, node0]) == [(5, "step-5-a", (0, 1, 0, 1))]
+    assert [(c.step, c.whole) for c in candidates({}, [node0, node0], 2)] == [(5, True)]  # no exchange
+    node1 = {"2": ck, "3": ck, "0": ck, "1": ck}
+    assert assemblable([node0, node0, node1, node1, {}, {}]) == [(5, "step-5-a", (0, 1, 2, 3))]
+    assert [c.whole for c in candidates({}, [node0, node0, node1, node1, {}, {}], 6)] == [False]
+    # node 0 lost its memory too: writers 0 and 1 were only there and on node 1, which holds them
+    assert assemblable([{}, {}, node1, node1]) == [(5, "step-5-a", (2, 3, 2, 3))]
+    assert partial([{"0": ck, "1": ck}, {}]) == [Partial(5, "step-5-a", 4, (2, 3))]
 
 
 def test_a_rank_whose_node_holds_every_part_reads_it_all_itself_else_the_ranks_exchange():
@@ -189,12 +207,13 @@ def _save_then_kill(mem, disk, out, steps: int, env: dict) -> list[dict]:
     return [json.load(open(out / f"rank-{r}.json")) for r in range(4)]
 
 
-def _restore(mem, disk, out, env: dict) -> list[dict]:
-    procs = start_ranks(4, ["restore", str(mem), disk, str(out)], env, worker=WORKER, rank_env=NODES)
+def _restore(mem, disk, out, env: dict, world: int = 4) -> list[dict]:
+    """A job of ``world`` ranks, ``NODES[:world]`` (the first ``world // 2`` nodes), restoring."""
+    procs = start_ranks(world, ["restore", str(mem), disk, str(out)], env, worker=WORKER, rank_env=NODES[:world])
     for p in procs:
         output, _ = p.communicate(timeout=240)
         assert p.returncode == 0, output
-    return [json.load(open(out / f"rank-{r}.json")) for r in range(4)]
+    return [json.load(open(out / f"rank-{r}.json")) for r in range(world)]
 
 
 @pytest.mark.slow
@@ -211,6 +230,7 @@ def test_a_lost_node_resumes_from_the_newest_step_in_the_other_nodes_memory(tmp_
     rows = {r["step"]: r["levels"][0]["status"] for r in json.loads(capsys.readouterr().out)}
     assert rows[3] == "whole (node-0: 4/4 parts, node-1: 4/4 parts)", rows
     shutil.rmtree(mem / "test" / "node-1")
+    shutil.copytree(mem, tmp_path / "mem-node-0")  # for the job restarted on node 0 alone, below
     assert main(["ls", str(mem / "test"), str(tmp_path / "disk")]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].split() == ["step", "level", "1:", str(mem / "test"), "level", "2:", str(tmp_path / "disk")]
@@ -220,6 +240,12 @@ def test_a_lost_node_resumes_from_the_newest_step_in_the_other_nodes_memory(tmp_
         assert (r["step"], r["level"], r["failures"]) == (3, 0, [])
         assert r["state"] == digest(make_state(3))
         assert r["local"] == digest(make_local(3, rank))  # node 1's per-rank parts came from node 0
+    # The job restarted on node 0 alone (2 ranks, as `torchrun --nnodes 1` would): node 0 holds every
+    # part of step 3 (its own and node 1's replicas), so it resumes from there, the state resharded.
+    alone = _restore(tmp_path / "mem-node-0", str(tmp_path / "disk"), out, env, world=2)
+    for rank, r in enumerate(alone):
+        assert (r["latest"], r["step"], r["level"], r["failures"]) == (3, 3, 0, [])
+        assert r["state"] == digest(make_state(3)) and r["local"] == digest(make_local(3, rank))
 
 
 @pytest.mark.slow

@@ -263,7 +263,7 @@ class MultiLevel:
             if level.node_local:
                 found |= {step for step, _ in self.complete}
                 if self.node is not None:
-                    found |= {step for step, d, _ in assemblable([self.held()], self.world_size)
+                    found |= {step for step, d, _ in assemblable([self.held()])
                               if parse_dir(d)[1].startswith(self.generation)}  # type: ignore[index]
             else:
                 found |= {e.step for e in committed(level.storage)}

@@ -10,8 +10,9 @@ in a few collectives on the training thread, the ranks find out whether level 1 
 * node-local: no process sees all of it, so each rank keeps its own files below
   ``rank-NNNNN/`` and commits them itself with a sealed ``rank-commit.json`` (its index file's
   checksum plus the manifest body rank 0 would write, without the rank table). The job-wide
-  commit that counts is the one on the shared lower level; a restore uses level 1 only when every
-  rank has the checkpoint there (levels/restore.py).
+  commit that counts is the one on the shared lower level; a restore uses level 1 only when the
+  ranks hold every writer's part of the checkpoint between them, however many ranks wrote it
+  (levels/restore.py).
 
 Every lower level must be shared (rank 0 commits there), which the same probe checks.
 """
@@ -162,7 +163,8 @@ class Opening:
     levels: tuple[Level, ...]
     generation: str
     complete: tuple[tuple[int, str], ...]
-    """Node-local level 1: the checkpoints the ranks can assemble from it (at start)."""
+    """Node-local level 1: the checkpoints the ranks can assemble from it (at start), written by any
+    number of ranks."""
     recover: tuple[str | None, ...]
     """Per lower level: the newest level-1 checkpoint it lacks (a flush a crash cut short), to flush again."""
     nodes: NodeTable | None = None
@@ -215,7 +217,7 @@ def open_levels(specs: Sequence[LevelSpec], comm: Comm, new_generation: Callable
         for senders in nodes.sources(rank, specs[0].replicas):
             for sender in senders:  # replicas this rank receives: what a crash left half-written
                 sweep(storages[0].child(rank_dir(sender)), RANK_COMMIT)
-    complete = [(s, d) for s, d, _ in assemblable(held, world)] if node_local else []
+    complete = [(s, d) for s, d, _ in assemblable(held)] if node_local else []
     own = complete_everywhere([v.get(str(r), []) for r, v in enumerate(held)], world) if node_local else []
     # Also: every sweep is done before any rank writes (rank 0's failure is raised on every rank).
     recover = on_rank0(comm, lambda: _sweep_shared(levels, node_local, own, world))
@@ -253,34 +255,61 @@ def held_catalog(node: Storage, rank: int, memory: bool) -> dict[str, list[tuple
     return out
 
 
-def assemblable(held: Sequence[Mapping[str, Sequence[Sequence[Any]]]], world_size: int
-                ) -> list[tuple[int, str, tuple[int, ...]]]:
-    """Pure: the checkpoints the ranks can assemble from what they hold, with who reads each writer's part.
+def assemblable(held: Sequence[Mapping[str, Sequence[Sequence[Any]]]]) -> list[tuple[int, str, tuple[int, ...]]]:
+    """Pure: the checkpoints the ranks of this job can assemble from what they hold, with who reads each writer's part.
 
-    ``held[r]``: what rank ``r`` holds, ``{writer: [(step, dirname, writers' world), ...]}``. A
-    checkpoint counts when every writer ``0..world_size-1`` of it (written by ``world_size`` ranks)
-    is held by some rank. Its reader of writer ``w`` is ``w`` itself when it holds it, else the
-    holder with the fewest parts to read so far (the lowest rank on a tie). Sorted by step.
+    ``held[r]``: what rank ``r`` of this job holds, ``{writer: [(step, dirname, writers), ...]}``, where
+    ``writers`` is how many ranks wrote the checkpoint: any number, so that a job restarted on fewer
+    or more ranks (nodes lost, nodes added) restores from what the surviving nodes hold and reshards
+    it. A checkpoint counts when every writer ``0..writers-1`` of it is held by some rank. Its reader
+    of writer ``w`` is ``w`` itself when that rank holds it, else the holder with the fewest parts to
+    read so far (the lowest rank on a tie). Sorted by step.
     """
-    holders: dict[tuple[int, str], dict[int, list[int]]] = {}
-    for r, view in enumerate(held):
-        for writer, cat in view.items():
-            for s, d, w in cat:
-                if int(w) == world_size and 0 <= int(writer) < world_size:
-                    holders.setdefault((int(s), str(d)), {}).setdefault(int(writer), []).append(r)
     out = []
-    for (step, dirname), by_writer in sorted(holders.items()):
-        if len(by_writer) != world_size:
+    for (step, dirname, writers), by_writer in _holders(held):
+        if len(by_writer) != writers:
             continue
         load = [0] * len(held)
         readers = []
-        for w in range(world_size):
+        for w in range(writers):
             have = by_writer[w]
             reader = w if w in have else min(have, key=lambda r: (load[r], r))
             load[reader] += 1
             readers.append(reader)
         out.append((step, dirname, tuple(readers)))
     return out
+
+
+@dataclass(frozen=True)
+class Partial:
+    """A checkpoint of a node-local level 1 of which the ranks of this job hold only some parts."""
+
+    step: int
+    dirname: str
+    writers: int
+    """How many ranks wrote it."""
+    missing: tuple[int, ...]
+    """The writers whose part no rank of this job holds."""
+
+
+def partial(held: Sequence[Mapping[str, Sequence[Sequence[Any]]]]) -> list[Partial]:
+    """Pure: the checkpoints some rank holds a part of that cannot be assembled (``held`` as in
+    :func:`assemblable`): each part of a writer lost with its node and the nodes its replicas were on,
+    or never written (a save the job did not finish). Sorted by step."""
+    return [Partial(step, dirname, writers, tuple(w for w in range(writers) if w not in by_writer))
+            for (step, dirname, writers), by_writer in _holders(held) if len(by_writer) != writers]
+
+
+def _holders(held: Sequence[Mapping[str, Sequence[Sequence[Any]]]]
+             ) -> list[tuple[tuple[int, str, int], dict[int, list[int]]]]:
+    """Pure: per ``(step, dirname, writers)``, sorted, which ranks hold each writer's part."""
+    holders: dict[tuple[int, str, int], dict[int, list[int]]] = {}
+    for r, view in enumerate(held):
+        for writer, cat in view.items():
+            for s, d, w in cat:
+                if 0 <= int(writer) < int(w):
+                    holders.setdefault((int(s), str(d), int(w)), {}).setdefault(int(writer), []).append(r)
+    return sorted(holders.items())
 
 
 def _create_roots(storages: Sequence[Storage], world: int, generation: str) -> str:

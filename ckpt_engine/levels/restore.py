@@ -3,9 +3,10 @@
 Order of calls: every rank calls :func:`load_levels` together (it is a collective when there are
 several ranks, on the training thread):
 
-1. one all-gather: rank 0 lists the shared levels; each rank lists its own node-local level-1
-   commits. Every rank then computes the same candidate list (:func:`candidates`): newest step
-   first, the fastest level first on a tie; a node-local level-1 copy only when every rank has it;
+1. one all-gather: rank 0 lists the shared levels; each rank lists the node-local level-1 parts
+   it holds. Every rank then computes the same candidate list (:func:`candidates`): newest step
+   first, the fastest level first on a tie; a node-local level-1 copy only when the ranks hold
+   every writer's part between them (written by any number of ranks: the state is resharded);
 2. each candidate is read and verified while read (never read twice), then one all-gather of
    "did it verify" moves all ranks to the next candidate together when any rank failed: a copy
    of the same step on a slower level always, an older step only with ``fallback=True``.
@@ -15,11 +16,17 @@ node-local level 1 holds only this rank's slices (a memory level: its node's ran
 replicas the node received), so each writer's part is read and verified by one rank that holds
 it (the writer itself when it can: :func:`~ckpt_engine.levels.open.assemblable`), then the ranks
 exchange the bytes over the communicator in rounds of ``EXCHANGE`` bytes.
+
+A node-local checkpoint newer than the one restored of which the ranks hold only some parts (a
+node lost with the nodes holding its replicas, or a save the job did not finish) is named, with
+the writers whose parts are missing, in a :class:`CheckpointWarning` on every rank
+(:func:`partial_warning`): the job does not fall back to an older step without a word.
 """
 
 from __future__ import annotations
 
 import base64
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
@@ -28,18 +35,19 @@ import torch
 import xxhash
 
 from ..comm import Comm
-from ..errors import CheckpointError, CorruptionError, FormatError, MismatchError, NoCheckpointError
+from ..errors import (CheckpointError, CheckpointWarning, CorruptionError, FormatError, MismatchError,
+                      NoCheckpointError)
 from ..format.catalog import manifest_dirs
 from ..format.entries import IndexEntry, RankRecord, data_file, index_file
 from ..format.manifest import RankIndex, check_coverage
 from ..host import headroom
-from ..load.agreed import Loaded, read_for_rank
+from ..load.agreed import Loaded, local_ranks, read_for_rank
 from ..load.into import fill
 from ..load.open import Opened, open_checkpoint
 from ..load.places import Places, Target, whole_targets
 from ..state.decode import decode
 from ..state.values import parse_dtype
-from .open import RANK_COMMIT, Level, RankCommit, assemblable
+from .open import RANK_COMMIT, Level, Partial, RankCommit, assemblable, partial
 from .transfer import StreamCheck
 
 if TYPE_CHECKING:
@@ -88,23 +96,41 @@ def candidates(shared: Mapping[int, Sequence[Sequence[Any]]], held: Sequence[Map
                world_size: int, step: int | None = None) -> list[Candidate]:
     """Pure: every copy to try, in order (newest step, then fastest level, then newest attempt).
 
-    ``shared``: per shared level, its ``(step, dirname)`` with a manifest. ``held``: per rank, the
-    node-local level-1 parts it can read, ``{writer: [(step, dirname, writers), ...]}``; such a
-    copy counts only when every writer's part is held by some rank and it was written by
-    ``world_size`` ranks (:func:`~ckpt_engine.levels.open.assemblable`).
+    ``shared``: per shared level, its ``(step, dirname)`` with a manifest. ``held``: per rank of the
+    ``world_size`` restoring, the node-local level-1 parts it can read, ``{writer: [(step, dirname,
+    writers), ...]}``; such a copy counts only when every writer's part is held by some rank, however
+    many ranks wrote it (:func:`~ckpt_engine.levels.open.assemblable`).
     """
     found = [Candidate(level, int(s), str(d)) for level, dirs in shared.items() for s, d in dirs]
     if held:
-        found += [Candidate(0, s, d, True, readers, _whole(held, d, world_size))
-                  for s, d, readers in assemblable(held, world_size)]
+        if len(held) != world_size:
+            raise ValueError(f"held: {len(held)} views for a world of {world_size} ranks")
+        found += [Candidate(0, s, d, True, readers, _whole(held, d, len(readers)))
+                  for s, d, readers in assemblable(held)]
     if step is not None:
         found = [c for c in found if c.step == step]
     return sorted(found, key=lambda c: (-c.step, c.level, tuple(-ord(ch) for ch in c.dirname)))
 
 
-def _whole(held: Sequence[Mapping[str, Any]], dirname: str, world_size: int) -> bool:
+def _whole(held: Sequence[Mapping[str, Any]], dirname: str, writers: int) -> bool:
     """Pure: whether each rank's view holds every writer's part of ``dirname``."""
-    return all(any(str(d) == dirname for _, d, _ in view.get(str(w), ())) for view in held for w in range(world_size))
+    return all(any(str(d) == dirname for _, d, _ in view.get(str(w), ())) for view in held for w in range(writers))
+
+
+def partial_warning(level: str, parts: Sequence[Partial], restored: str) -> str:
+    """Pure: what a restore says of the node-local checkpoints newer than the one it restored that
+    the ranks hold only in part (``parts``), by step with the missing writers; ``restored``: what it
+    did instead (``"restored step 4 from level 2 (/data/run)"``)."""
+    steps = sorted({p.step for p in parts})
+    by_step = "; ".join(f"step {p.step}: ranks {_ranks(p.missing)} of the {p.writers} that wrote it"
+                        for p in sorted(parts, key=lambda p: (p.step, p.dirname)))
+    return (f"{level}: step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))} skipped, their parts are not "
+            f"all on the nodes of this job ({by_step}): each such part was lost with its node and the nodes holding "
+            f"its replicas, or never written (a save the job did not finish); {restored}")
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ", ".join(map(str, ranks))
 
 
 def load_levels(ml: Levels, comm: Comm, step: int | None, fallback: bool, threads: int,
@@ -114,11 +140,16 @@ def load_levels(ml: Levels, comm: Comm, step: int | None, fallback: bool, thread
 
     Appends what failed to ``failures``. Raises :class:`NoCheckpointError` when no level has one.
     """
-    found = _agree(ml, comm, step)
+    found, parts = _agree(ml, comm, step)
     if not found:
         which = "" if step is None else f" of step {step}"
-        raise NoCheckpointError(f"no committed checkpoint{which} on any level "
-                                f"({', '.join(level.name for level in ml.levels)}); committed steps: {ml.steps()}")
+        message = (f"no committed checkpoint{which} on any level ({', '.join(level.name for level in ml.levels)}); "
+                   f"committed steps: {ml.steps()}")
+        if parts:  # the front ends start afresh on this error: not without a word
+            lost = partial_warning(ml.fast.name, parts, "no other checkpoint to restore")
+            warnings.warn(CheckpointWarning(lost), stacklevel=4)
+            message += "; " + lost
+        raise NoCheckpointError(message)
     own_error: Exception | None = None
     for c in found:
         if c.step != found[0].step and not fallback:
@@ -136,10 +167,16 @@ def load_levels(ml: Levels, comm: Comm, step: int | None, fallback: bool, thread
         bad = [r["error"] for r in reports if not r["ok"]]
         if not bad:
             try:
-                return (attempt.finish(comm, reports, into) if c.node_local and not c.whole  # type: ignore[union-attr]
+                done = (attempt.finish(comm, reports, into) if c.node_local and not c.whole  # type: ignore[union-attr]
                         else attempt.result)  # type: ignore[union-attr]
             except CheckpointError as e:  # the same on every rank: it depends on the gathered reports only
                 own_error, bad = own_error or e, [str(e)]
+            else:
+                skipped = [p for p in parts if p.step > c.step]
+                if skipped:
+                    warnings.warn(CheckpointWarning(partial_warning(
+                        ml.fast.name, skipped, f"restored step {c.step} from {level.name}")), stacklevel=4)
+                return done
         failures.extend(f"{level.name} {c.dirname}: {b}" for b in bad)
         if any(r.get("final") for r in reports):  # the caller's state does not fit: no other copy will
             break
@@ -148,15 +185,18 @@ def load_levels(ml: Levels, comm: Comm, step: int | None, fallback: bool, thread
     raise CorruptionError("no checkpoint verifies on every rank: " + "; ".join(failures))
 
 
-def _agree(ml: Levels, comm: Comm, step: int | None) -> list[Candidate]:
-    """One all-gather: rank 0's view of the shared levels and every rank's node-local commits."""
+def _agree(ml: Levels, comm: Comm, step: int | None) -> tuple[list[Candidate], list[Partial]]:
+    """One all-gather: rank 0's view of the shared levels and every rank's node-local commits; the
+    candidates, and the node-local checkpoints held only in part (of ``step`` only, when given)."""
     mine: dict[str, Any] = {"held": ml.held() if ml.node_local else {}}
     if comm.rank == 0:
         mine["shared"] = [[level.index, manifest_dirs(level.storage, step)] for level in ml.levels
                           if not level.node_local]
     views = comm.all_gather(mine) if comm.world_size > 1 else [mine]
     shared = {int(i): dirs for i, dirs in views[0]["shared"]}
-    return candidates(shared, [v["held"] for v in views] if ml.node_local else None, comm.world_size, step)
+    held = [v["held"] for v in views] if ml.node_local else None
+    parts = [p for p in partial(held) if step is None or p.step == step] if held else []
+    return candidates(shared, held, comm.world_size, step), parts
 
 
 # ---- a shared level ---------------------------------------------------------------------------------
@@ -236,7 +276,7 @@ class _LocalCopy:
             if (idx.step, idx.rank, idx.world_size, idx.attempt) != expected:
                 raise FormatError(f"{where}: {index_file(w)} of writer {w} belongs to another checkpoint")
         check_coverage(manifest, indexes, lambda w: f"{where} ({index_file(w)})")
-        keep = sorted({self.rank, 0})
+        keep = local_ranks(self.rank, manifest.world_size)
         local_tensors = {w: [torch.empty(t.shape, dtype=parse_dtype(t.dtype)) for t in indexes[w].local_tensors]
                          for w in keep}
         streams = [[w for w, reader in enumerate(readers) if reader == r] for r in range(comm.world_size)]
