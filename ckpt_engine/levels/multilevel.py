@@ -29,6 +29,7 @@ from ..save.filebuffers import BUFFERS, FileBuffers
 from ..save.persist import PersistJob
 from ..save.tally import Tally
 from ..storage import Storage
+from .assemble import Assembly
 from .destination import Retention, new_generation
 from .flush import Flusher, FlushItem
 from .memory import NodeParts, check_room, remove_node_dir
@@ -75,6 +76,8 @@ class MultiLevel:
             self.replicator = Replicator(group, self.node, self.nodes, self.rank,  # type: ignore[arg-type]
                                          self.memory.replicas, keep_last=self.fast.keep_last,
                                          generation=self.generation, tally=tally)
+        self.assembly: Assembly | None = None
+        """What this rank moved in its last restore from the node-local level 1 (levels/assemble.py)."""
         self._templates: dict[str, CommitInputs] = {}
         self._last_committed: str | None = None
         self._retention = Retention()

@@ -46,9 +46,9 @@ log = logging.getLogger("ckpt_engine.levels.replicate")
 
 CHUNK = 16 << 20
 """Bytes per message of a part's data (what a receiver holds in memory at once)."""
-COUNTERS = ("replicated", "replica_failed", "replica_bytes")
+COUNTERS = ("replicated", "replica_failed", "replica_bytes", "replica_sent_bytes")
 """Keys this module adds to ``Checkpointer.counters``: parts received and committed here, rounds
-that failed, bytes received."""
+that failed, bytes received (and kept), bytes sent to peers (index, commit and data of each part)."""
 _HEADER, _META, _DATA = 0, 1, 2
 
 
@@ -189,6 +189,8 @@ class Replicator:
                         errors.append(e)
                 for work in works:
                     work.wait()
+                if sending is not None:
+                    self.tally.count("replica_sent_bytes", sending.nbytes)
             finally:
                 if sending is not None:
                     sending.close()
@@ -269,6 +271,11 @@ class _Outgoing:
 
     def header(self) -> list[int]:
         return [1, self.lengths[0], self.lengths[1], self.size]
+
+    @property
+    def nbytes(self) -> int:
+        """What a peer receives: the index, the commit and the data."""
+        return sum(self.lengths) + self.size
 
     def chunks(self) -> list[torch.Tensor]:
         if self._map is None:

@@ -13,9 +13,10 @@ several ranks, on the training thread):
 
 A shared level is read as a single-level checkpoint is (each rank reads the whole state). A
 node-local level 1 holds only this rank's slices (a memory level: its node's ranks' and the
-replicas the node received), so each writer's part is read and verified by one rank that holds
-it (the writer itself when it can: :func:`~ckpt_engine.levels.open.assemblable`), then the ranks
-exchange the bytes over the communicator in rounds of ``EXCHANGE`` bytes.
+replicas the node received): when each rank's node holds every part, each reads it all itself;
+else each writer's part is read and verified by one rank that holds it (the writer itself when it
+can: :func:`~ckpt_engine.levels.open.assemblable`), then the ranks exchange the bytes over the
+communicator (levels/assemble.py). Either way, what this rank moved is left in ``ml.assembly``.
 
 A node-local checkpoint newer than the one restored of which the ranks hold only some parts (a
 node lost with the nodes holding its replicas, or a save the job did not finish) is named, with
@@ -25,30 +26,23 @@ the writers whose parts are missing, in a :class:`CheckpointWarning` on every ra
 
 from __future__ import annotations
 
-import base64
+import time
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
-import numpy as np
-import torch
 import xxhash
 
 from ..comm import Comm
 from ..errors import (CheckpointError, CheckpointWarning, CorruptionError, FormatError, MismatchError,
                       NoCheckpointError)
 from ..format.catalog import manifest_dirs
-from ..format.entries import IndexEntry, RankRecord, data_file, index_file
+from ..format.entries import data_file, index_file
 from ..format.manifest import RankIndex, check_coverage
-from ..host import headroom
-from ..load.agreed import Loaded, local_ranks, read_for_rank
-from ..load.into import fill
+from ..load.agreed import Loaded, read_for_rank
 from ..load.open import Opened, open_checkpoint
-from ..load.places import Places, Target, whole_targets
-from ..state.decode import decode
-from ..state.values import parse_dtype
+from .assemble import Assembly, read_parts, whole_figures
 from .open import RANK_COMMIT, Level, Partial, RankCommit, assemblable, partial
-from .transfer import StreamCheck
 
 if TYPE_CHECKING:
     from ..storage import Storage
@@ -60,6 +54,9 @@ class Levels(Protocol):
     levels: tuple[Level, ...]
     fast: Level
     node_local: bool
+    assembly: Assembly | None
+    """Set by :func:`load_levels`: what this rank moved to restore from the node-local level 1
+    (``None`` when it restored from a shared level)."""
 
     def steps(self) -> list[int]:
         """Committed steps this process can see on any level, oldest first."""
@@ -72,10 +69,6 @@ class Levels(Protocol):
 
     def part_storage(self, writer: int) -> Storage:
         """Where this rank reads ``writer``'s part on the node-local level 1."""
-
-EXCHANGE = 64 << 20
-"""Bytes each rank contributes per round when rebuilding the state from node-local copies."""
-
 
 @dataclass(frozen=True)
 class Candidate:
@@ -140,6 +133,7 @@ def load_levels(ml: Levels, comm: Comm, step: int | None, fallback: bool, thread
 
     Appends what failed to ``failures``. Raises :class:`NoCheckpointError` when no level has one.
     """
+    ml.assembly = None
     found, parts = _agree(ml, comm, step)
     if not found:
         which = "" if step is None else f" of step {step}"
@@ -157,8 +151,8 @@ def load_levels(ml: Levels, comm: Comm, step: int | None, fallback: bool, thread
         level = ml.levels[c.level]
         try:
             attempt = (_read_node_whole(ml, c, threads, comm.rank, into) if c.whole
-                       else _read_local_copy(ml, c, comm.rank) if c.node_local
-                       else _read_shared(level, c, threads, comm.rank, into))
+                       else read_parts(ml.fast, ml.part_storage, c.step, c.dirname, c.readers, comm.rank)
+                       if c.node_local else _read_shared(level, c, threads, comm.rank, into))
             report = attempt.report
         except Exception as e:  # noqa: BLE001 - reported to the other ranks first, so that none waits forever
             own_error, attempt, report = own_error or e, None, {"ok": False, "error": f"rank {comm.rank}: {e}",
@@ -167,8 +161,8 @@ def load_levels(ml: Levels, comm: Comm, step: int | None, fallback: bool, thread
         bad = [r["error"] for r in reports if not r["ok"]]
         if not bad:
             try:
-                done = (attempt.finish(comm, reports, into) if c.node_local and not c.whole  # type: ignore[union-attr]
-                        else attempt.result)  # type: ignore[union-attr]
+                done, ml.assembly = (attempt.finish(comm, reports, into)  # type: ignore[union-attr]
+                                     if c.node_local and not c.whole else attempt.result)  # type: ignore[union-attr]
             except CheckpointError as e:  # the same on every rank: it depends on the gathered reports only
                 own_error, bad = own_error or e, [str(e)]
             else:
@@ -201,27 +195,29 @@ def _agree(ml: Levels, comm: Comm, step: int | None) -> tuple[list[Candidate], l
 
 # ---- a shared level ---------------------------------------------------------------------------------
 @dataclass
-class _Shared:
-    result: tuple[Any, Loaded]
+class _Read:
+    result: tuple[tuple[Any, Loaded], Assembly | None]
     report: dict
 
 
-def _read_shared(level: Level, c: Candidate, threads: int, rank: int, into: Any) -> _Shared:
+def _read_shared(level: Level, c: Candidate, threads: int, rank: int, into: Any) -> _Read:
     """The state and the ``local`` sections this rank will use (its writer's, writer 0's), verified."""
     opened = open_checkpoint(level.storage, c.dirname)
     state, verified = read_for_rank(level.storage, opened, rank, threads, into=into)
-    return _Shared((state, Loaded(opened, level.storage, level.index, verified)), {"ok": True})
+    return _Read(((state, Loaded(opened, level.storage, level.index, verified)), None), {"ok": True})
 
 
 # ---- a node that holds every part -------------------------------------------------------------------
-def _read_node_whole(ml: Levels, c: Candidate, threads: int, rank: int, into: Any) -> _Shared:
+def _read_node_whole(ml: Levels, c: Candidate, threads: int, rank: int, into: Any) -> _Read:
     """Every part of ``c`` is in this rank's node memory: open it from the writers' commits and read
     it as a shared level is read (this rank's share of the state, its own and writer 0's ``local``),
     every byte verified, with no exchange."""
+    started = time.perf_counter()
     view = ml.node_parts()
     opened = _open_parts(ml, view, c.dirname, len(c.readers))
     state, verified = read_for_rank(view, opened, rank, threads, into=into)
-    return _Shared((state, Loaded(opened, view, ml.fast.index, verified)), {"ok": True})
+    return _Read(((state, Loaded(opened, view, ml.fast.index, verified)), whole_figures(c.step, opened, rank, started)),
+                 {"ok": True})
 
 
 def _open_parts(ml: Levels, view: Storage, dirname: str, writers: int) -> Opened:
@@ -247,156 +243,3 @@ def _open_parts(ml: Levels, view: Storage, dirname: str, writers: int) -> Opened
         indexes.append(idx)
     check_coverage(manifest, indexes, lambda w: view.describe(f"{dirname}/{index_file(w)}"))
     return Opened(dirname, manifest, tuple(indexes))
-
-
-# ---- a node-local level 1 -----------------------------------------------------------------------------
-@dataclass
-class _LocalCopy:
-    """The verified parts of a node-local checkpoint this rank read (``parts``: by writer), before the exchange."""
-
-    level: Level
-    candidate: Candidate
-    rank: int
-    parts: dict[int, np.ndarray]
-    report: dict
-
-    def finish(self, comm: Comm, reports: Sequence[dict], into: Any = None) -> tuple[Any, Loaded]:
-        """Build the manifest from every writer's part as its reader reported it, then exchange the
-        bytes and decode (or fill ``into``: load/into.py)."""
-        dirname, readers = self.candidate.dirname, self.candidate.readers
-        where = self.level.storage.describe(dirname)
-        told = [reports[reader]["parts"][str(w)] for w, reader in enumerate(readers)]
-        rc = RankCommit.from_json(base64.b64decode(told[0]["commit"]), f"{where} (writer 0's {RANK_COMMIT})")
-        records = [RankRecord(w, *part["record"]) for w, part in enumerate(told)]
-        manifest = rc.manifest(records, where)
-        indexes = tuple(RankIndex.from_json(part["index"].encode(), f"{where} ({index_file(w)})")
-                        for w, part in enumerate(told))
-        for w, idx in enumerate(indexes):
-            expected = (manifest.step, w, manifest.world_size, rc.attempt)
-            if (idx.step, idx.rank, idx.world_size, idx.attempt) != expected:
-                raise FormatError(f"{where}: {index_file(w)} of writer {w} belongs to another checkpoint")
-        check_coverage(manifest, indexes, lambda w: f"{where} ({index_file(w)})")
-        keep = local_ranks(self.rank, manifest.world_size)
-        local_tensors = {w: [torch.empty(t.shape, dtype=parse_dtype(t.dtype)) for t in indexes[w].local_tensors]
-                         for w in keep}
-        streams = [[w for w, reader in enumerate(readers) if reader == r] for r in range(comm.world_size)]
-        mine = [self.parts[w] for w in streams[self.rank]]
-        length = max(sum(indexes[w].data_bytes for w in ws) for ws in streams)
-
-        def read(wanted: Sequence[Target]) -> None:
-            places = Places(manifest.tensors, wanted)
-            targets = [_targets(idx, places, local_tensors.get(idx.rank)) for idx in indexes]
-            for k in range(-(-length // EXCHANGE)):  # every rank takes part in every round, whatever it keeps
-                lo = k * EXCHANGE
-                for r, part in enumerate(_gather_bytes(comm, _cut(mine, lo, lo + EXCHANGE))):
-                    base = 0
-                    for w in streams[r]:
-                        size = indexes[w].data_bytes
-                        if lo < base + size and lo + len(part) > base:
-                            _place(targets[w], lo - base, part)
-                        base += size
-            for idx_targets in targets:
-                for _, _, _, entry, temp in idx_targets:
-                    if temp is not None:
-                        places.scatter(entry, temp)
-
-        if into is not None:
-            state = fill(into, manifest, where, read)
-        else:
-            whole = whole_targets(manifest.tensors)
-            read(whole)
-            state = decode(manifest.state, lambda i: whole[i].out, count=len(whole), where=where)
-        locals_ = {w: decode(indexes[w].local, local_tensors[w].__getitem__, count=len(local_tensors[w]),
-                             where=f"{where} ({index_file(w)})") for w in keep}
-        opened = Opened(dirname, manifest, indexes)
-        return state, Loaded(opened, self.level.storage, self.level.index, locals_, node_local=True)
-
-
-def _cut(parts: Sequence[np.ndarray], lo: int, hi: int) -> np.ndarray:
-    """Bytes ``[lo, hi)`` of the parts laid end to end (a rank's stream in the exchange)."""
-    pieces, base = [], 0
-    for data in parts:
-        a, b = max(lo, base), min(hi, base + len(data))
-        if a < b:
-            pieces.append(data[a - base:b - base])
-        base += len(data)
-    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces) if pieces else np.empty(0, dtype=np.uint8)
-
-
-def _read_local_copy(ml: Levels, c: Candidate, rank: int) -> _LocalCopy:
-    """Read and verify the parts this rank reads for ``c``: each one's marker, index and whole data file."""
-    parts, told = {}, {}
-    for writer, reader in enumerate(c.readers):
-        if reader == rank:
-            parts[writer], told[str(writer)] = _read_part(ml.part_storage(writer), c.dirname, writer)
-    return _LocalCopy(ml.fast, c, rank, parts, {"ok": True, "parts": told})
-
-
-def _read_part(storage: Storage, dirname: str, writer: int) -> tuple[np.ndarray, dict]:
-    """One writer's part of ``dirname`` on a node-local level, verified in one pass, and its report."""
-    marker_raw = storage.read_bytes(f"{dirname}/{RANK_COMMIT}")
-    rc = RankCommit.from_json(marker_raw, storage.describe(f"{dirname}/{RANK_COMMIT}"))
-    where = storage.describe(f"{dirname}/{index_file(writer)}")
-    raw = storage.read_bytes(f"{dirname}/{index_file(writer)}")
-    if len(raw) != rc.record.index_bytes or xxhash.xxh3_64_hexdigest(raw) != rc.record.index_xxh3 \
-            or rc.rank != writer:
-        raise CorruptionError(f"{where}: checksum mismatch (the index file was modified or replaced)")
-    idx = RankIndex.from_json(raw, where)
-    data_where = storage.describe(f"{dirname}/{data_file(writer)}")
-    size = storage.regular_size(f"{dirname}/{data_file(writer)}")
-    if size != idx.data_bytes:
-        raise CorruptionError(f"{data_where}: {'missing' if size is None else f'{size} bytes'}, "
-                              f"{idx.data_bytes} expected (truncated or replaced)")
-    headroom.refuse_beyond([(f"the part of writer {writer}", idx.data_bytes)], data_where, f"reading step {idx.step}")
-    data = np.empty(idx.data_bytes, dtype=np.uint8)
-    check = StreamCheck(idx, data_where)
-    with storage.reader(f"{dirname}/{data_file(writer)}") as reader:
-        view = memoryview(data)
-        reader.read_into(0, view)
-        check.feed(view)
-    check.finish()
-    return data, {"record": [idx.data_bytes, len(raw), rc.record.index_xxh3], "index": raw.decode(),
-                  "commit": base64.b64encode(marker_raw).decode() if writer == 0 else None}
-
-
-_Target = tuple[int, int, Any, IndexEntry, "torch.Tensor | None"]
-"""Where one entry's bytes go: (offset in the sender's data file, byte count, destination bytes,
-the entry, the temporary to scatter from afterwards or ``None`` when read in place)."""
-
-
-def _targets(idx: RankIndex, places: Places, local: Sequence[torch.Tensor] | None) -> list[_Target]:
-    """The sender's entries this rank keeps (those meeting ``places``; its locals if kept), by offset."""
-    out: list[_Target] = []
-    for e in sorted(idx.entries, key=lambda e: e.offset):
-        if e.local:
-            if local is None:
-                continue
-            t = local[e.tensor]
-            dest = t.reshape(-1).view(torch.uint8).numpy()[e.start * t.element_size():e.stop * t.element_size()]
-            out.append((e.offset, e.nbytes, dest, e, None))
-        elif places.needed(e):
-            view, temp = places.destination(e)
-            out.append((e.offset, e.nbytes, np.frombuffer(view, dtype=np.uint8), e, temp))
-    return out
-
-
-def _place(targets: Sequence[_Target], lo: int, part: np.ndarray) -> None:
-    """Copy the part of bytes ``[lo, lo + len(part))`` of a sender's file into the entries it overlaps."""
-    hi = lo + len(part)
-    for offset, nbytes, dest, _, _ in targets:
-        start, stop = max(offset, lo), min(offset + nbytes, hi)
-        if start < stop:
-            dest[start - offset:stop - offset] = part[start - lo:stop - lo]
-
-
-def _gather_bytes(comm: Comm, data: np.ndarray) -> list[np.ndarray]:
-    """Every rank's ``data`` (uint8, any lengths), by rank: tensors when the communicator can
-    (``all_gather_tensor``), else base64 over its JSON all-gather (slow, but any ``Comm`` works)."""
-    if comm.world_size == 1:
-        return [data]
-    gather = getattr(comm, "all_gather_tensor", None)
-    if gather is not None:
-        tensor = torch.from_numpy(np.ascontiguousarray(data)) if len(data) else torch.empty(0, dtype=torch.uint8)
-        return [t.numpy() for t in gather(tensor)]
-    texts = comm.all_gather(base64.b64encode(data.tobytes()).decode())
-    return [np.frombuffer(base64.b64decode(t), dtype=np.uint8) for t in texts]
