@@ -14,6 +14,7 @@ import torch
 
 from ckpt_engine import Checkpointer
 from ckpt_engine.format.catalog import committed
+from helpers import assert_same
 import lightning_jobs
 from lightning_jobs import (assert_bitwise, assert_epoch_resplit, final, killed_and_resumed, one_distribution,
                             run, seen)
@@ -108,7 +109,9 @@ def test_fsdp2_resumed_on_another_number_of_devices_same_state_rest_of_epoch_onc
 
 def test_fsdp2_with_tensor_parallel_on_four_processes_resumes_bitwise(tmp_path, flavour):
     """A 2 x 2 mesh (FSDP2 over data parallel, tensor parallel inside): the checkpoint holds every
-    tensor whole (chunks of both dimensions), and a run killed mid-epoch resumes bit-identical."""
+    tensor whole (chunks of both dimensions), and a run killed mid-epoch resumes bit-identical: the
+    whole weights and optimizer state, and on every rank its BatchNorm statistics and random streams
+    (the final checkpoints, taken at the end of both runs) and the samples it trained on."""
     one_distribution(flavour)
     flags = ["--strategy", "fsdp2_tp", "--devices", "4", "--max-steps", "24"]
     ref = tmp_path / "ref"
@@ -119,6 +122,11 @@ def test_fsdp2_with_tensor_parallel_on_four_processes_resumes_bitwise(tmp_path, 
     assert torch.equal(whole["optim"]["state"]["net.4.weight"]["exp_avg_sq"],
                        reference["optimizer"]["state"]["net.4.weight"]["exp_avg_sq"])
     _, restored = killed_and_resumed(tmp_path, flags, 13, (5, 10), ref=ref)
+    ends = [Checkpointer(str(where / "ck"), readonly=True) for where in (ref, tmp_path)]
+    assert_same(*(ck.load(24) for ck in ends))
+    for rank in range(4):  # what each rank holds for itself
+        mine, theirs = ({k: ck.load_local(rank=rank)[k] for k in ("buffers", "rng")} for ck in ends)
+        assert_same(mine, theirs, f"rank {rank}")
     for rank in range(4):  # ranks 0, 1 and 2, 3 share a data-parallel index: the same batches
         before = [r for r in seen(tmp_path, "killed", rank) if r["step"] <= restored]
         ids = [i for r in before + seen(tmp_path, "resumed", rank) for i in r["ids"]]

@@ -5,6 +5,10 @@ and loads it back into a fresh model of the same or another layout and world siz
 (``restore(into=...)`` + ``set_state_dict``), or into one process without torch.distributed. The
 whole state (weights and ``exp_avg``, ``exp_avg_sq``, ``step``) must come back bit for bit, and on the
 same layout two more training steps must give the same bits as the uninterrupted run.
+
+At 4 and 8 ranks (FSDP2, HSDP 2 x 2 and 2 x 4, tensor parallel + FSDP2 2 x 2) a job that trains as a
+user's does (sampler, dropout, clipping, schedule) is SIGKILLed mid-training and resumed: every
+rank ends with the uninterrupted job's chunks, bit for bit, having seen the same samples.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 
 from ckpt_engine import Checkpointer
 from ckpt_engine.errors import CorruptionError
-from helpers import assert_same
+from helpers import assert_same, assert_same_samples_once_per_epoch
 from ranks import lines_of, next_line, start_ranks
 
 pytestmark = [pytest.mark.integration,
@@ -286,3 +290,66 @@ def test_each_rank_reads_only_the_pieces_its_chunks_need(saved, tmp_path):
             assert read == own, (read, own)
         else:
             assert read[0] <= own[0] and read[3] <= own[1] and max(read) < total, (read, own, total)
+
+
+TRAINED = {4: ("fsdp", "hsdp:2x2", "fsdp_tp:2x2"), 8: ("hsdp:2x4",)}
+"""The layouts trained side by side in one job of each world size (one start-up for all)."""
+STEPS, EVERY, KILL_AT, SAMPLES = 16, 5, 8, 64  # 2 to 8 steps per epoch: the restored step 5 is mid-epoch
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Per world size: the directories of its layouts' uninterrupted job and of the job SIGKILLed on
+    every rank right after step 8 (checkpoints at 5: committed; 10: not reached) and then resumed by
+    the same command."""
+    cache: dict[int, tuple] = {}
+
+    def get(world: int):
+        if world not in cache:
+            base = tmp_path_factory.mktemp(f"trained-{world}")
+            layouts, every = ",".join(TRAINED[world]), (str(STEPS), str(EVERY))
+            for out in (base / "ref", base / "run"):
+                out.mkdir()
+            run(world, "train", layouts, str(base / "ref" / "ck"), str(base / "ref"), *every)
+            killed = start_ranks(world, ["train", layouts, str(base / "run" / "ck"), str(base / "run"), *every,
+                                         str(KILL_AT)], ENV, worker=WORKER)
+            for p in killed:
+                output, _ = p.communicate(timeout=300)
+                assert p.returncode == -signal.SIGKILL, output[-4000:]
+            run(world, "train", layouts, str(base / "run" / "ck"), str(base / "run"), *every)
+            cache[world] = base / "ref", base / "run"
+        return cache[world]
+
+    return get
+
+
+def seen_rows(out, layout: str, rank: int) -> list[dict]:
+    import json
+
+    with open(out / f"seen-{layout.replace(':', '-')}-rank{rank}.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, layout", [(4, "fsdp"), (4, "hsdp:2x2"), (4, "fsdp_tp:2x2"), (8, "hsdp:2x4")])
+def test_killed_mid_training_then_resumed_ends_bit_identical_on_every_rank(trained, world, layout):
+    """Every rank's chunks of the weights and of AdamW's state, the schedule, and the samples each rank
+    trained on at each step are the uninterrupted job's; each epoch saw every sample once."""
+    ref, got = trained(world)
+    name = layout.replace(":", "-")
+    by_step: list[tuple[dict, dict]] = []
+    for rank in range(world):
+        a = torch.load(ref / f"final-{name}-rank{rank}.pt", weights_only=True)
+        b = torch.load(got / f"final-{name}-rank{rank}.pt", weights_only=True)
+        assert (a["resumed_from"], b["resumed_from"], b["step"]) == (None, 5, STEPS)
+        assert_same(b["state"], a["state"], f"rank {rank}")
+        rows = seen_rows(got, layout, rank)  # the killed job's steps 1..8, then the resumed job's 6..16
+        assert [r["step"] for r in rows[:KILL_AT]] == list(range(1, KILL_AT + 1))
+        resumed = rows[:5] + rows[KILL_AT:]
+        by_step.append(({r["step"]: r for r in resumed}, {r["step"]: r for r in seen_rows(ref, layout, rank)}))
+    tp = 2 if layout.startswith("fsdp_tp") else 1  # tensor parallel ranks of one data-parallel index
+    for rank in range(world):
+        assert by_step[rank][1] == by_step[rank - rank % tp][1], rank
+    data_ranks = by_step[::tp]
+    epochs = sorted({r["epoch"] for mine, _ in data_ranks for r in mine.values()})
+    assert_same_samples_once_per_epoch([m for m, _ in data_ranks], [t for _, t in data_ranks], STEPS, epochs, SAMPLES)
