@@ -11,8 +11,8 @@ Modes:
 * ``save``: save ``make_state(s)`` / ``make_local(s, rank)`` for s in 1..STEPS, ``wait()`` after each,
   then ``wait(flush=True)`` unless the disk is held; write the counters, print ``saved``, then stay
   alive (the test SIGKILLs every rank: nothing is closed);
-* ``restore``: ``latest_step()``, then ``restore()``; write both steps, the level, digests of the state
-  and of this rank's local; then ``close()``;
+* ``restore``: ``latest_step()``, then ``restore()``; write both steps (``None`` when there was no
+  checkpoint), the level, digests of the state and of this rank's local, the warnings; then ``close()``;
 * ``loop``: ``restore()`` (``restored <step> <level> <ok>``: ok when the state and this rank's local
   are those of that step), then save every step from there until SIGKILLed, printing
   ``committed <step>`` once ``wait()`` returned (this rank's part is in its node's memory) and
@@ -137,7 +137,8 @@ def train(mem: str, disk: str, out: str, rank: int, world: int) -> None:
             r = None
     said = [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
     if r is not None:
-        torch.save({"state": r.state, "local": r.local, "first": r.first}, os.path.join(out, f"restored-rank-{rank}.pt"))
+        restored = {"state": r.state, "local": r.local, "first": r.first}
+        torch.save(restored, os.path.join(out, f"restored-rank-{rank}.pt"))
         assembly = ck._dest.assembly
         result.update(restored={"step": r.step, "level": r.level, "writers": r.manifest.world_size,
                                 "seconds": seconds, "warnings": said},
@@ -223,9 +224,15 @@ def main() -> None:
         loop(ck, rank)
     elif mode == "restore":
         latest = ck.latest_step()  # what a script asks first (examples/plain_train.py)
-        r = ck.restore()
-        result.update(latest=latest, step=r.step, level=r.level, state=digest(r.state), local=digest(r.local),
-                      failures=ck.load_failures)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                r = ck.restore()
+                result.update(step=r.step, level=r.level, state=digest(r.state), local=digest(r.local))
+            except NoCheckpointError as e:  # a script starts afresh
+                result.update(step=None, error=str(e))
+        result.update(latest=latest, failures=ck.load_failures,
+                      warnings=[str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)])
         ck.close()
         write_result(out, rank, result)
     dist.destroy_process_group()

@@ -230,7 +230,8 @@ def test_a_lost_node_resumes_from_the_newest_step_in_the_other_nodes_memory(tmp_
     rows = {r["step"]: r["levels"][0]["status"] for r in json.loads(capsys.readouterr().out)}
     assert rows[3] == "whole (node-0: 4/4 parts, node-1: 4/4 parts)", rows
     shutil.rmtree(mem / "test" / "node-1")
-    shutil.copytree(mem, tmp_path / "mem-node-0")  # for the job restarted on node 0 alone, below
+    shutil.copytree(mem, tmp_path / "mem-node-0")  # for the jobs restarted on node 0 alone, below
+    shutil.copytree(mem, tmp_path / "mem-half", ignore=shutil.ignore_patterns("rank-00002", "rank-00003"))
     assert main(["ls", str(mem / "test"), str(tmp_path / "disk")]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].split() == ["step", "level", "1:", str(mem / "test"), "level", "2:", str(tmp_path / "disk")]
@@ -244,8 +245,16 @@ def test_a_lost_node_resumes_from_the_newest_step_in_the_other_nodes_memory(tmp_
     # part of step 3 (its own and node 1's replicas), so it resumes from there, the state resharded.
     alone = _restore(tmp_path / "mem-node-0", str(tmp_path / "disk"), out, env, world=2)
     for rank, r in enumerate(alone):
-        assert (r["latest"], r["step"], r["level"], r["failures"]) == (3, 3, 0, [])
+        assert (r["latest"], r["step"], r["level"], r["failures"], r["warnings"]) == (3, 3, 0, [], [])
         assert r["state"] == digest(make_state(3)) and r["local"] == digest(make_local(3, rank))
+    # Node 0 without node 1's replicas either (the held disk never took step 1: memory keeps it for the flush):
+    # nothing to restore, and the job is told why
+    half = _restore(tmp_path / "mem-half", str(tmp_path / "disk"), out, env, world=2)
+    for r in half:
+        assert (r["latest"], r["step"]) == (None, None)
+        [said] = r["warnings"]
+        assert "steps 1, 2, 3 skipped" in said and "step 3: ranks 2, 3 of the 4 that wrote it" in said, said
+        assert said.endswith("no other checkpoint to restore") and said in r["error"]
 
 
 @pytest.mark.slow

@@ -140,6 +140,13 @@ def _assembled_as_planned(job: Job, plan) -> None:
             plan.whole, plan.read[rank], plan.sent[rank], plan.received[rank], plan.wire, len(plan.rounds)), rank
 
 
+def _report(what: str, job: Job, plan) -> None:
+    """The restore's times beside the model's (shown with ``-s``; docs/memory.md, "At scale")."""
+    print(f"\n{what}: restore() {max(r['restored']['seconds'] for r in job.results):.3f} s, assembly "
+          f"{max(r['assembly']['seconds'] for r in job.results):.3f} s, model {plan.seconds:.4f} s; "
+          f"wire {plan.wire} bytes a rank")
+
+
 def _data_bytes(job: Job, step: int) -> list[int]:
     return [next(c["data"] for c in r["replication"] if c["step"] == step) for r in job.results]
 
@@ -152,6 +159,7 @@ def test_every_nodes_replication_bytes_per_checkpoint_are_what_the_scale_model_s
         measured = [(sum(c["sent"] for c in parts[2 * n:2 * n + 2]), sum(c["received"] for c in parts[2 * n:2 * n + 2]))
                     for n in range(4)]
         assert measured == model, step
+    print(f"\nper checkpoint, node (sent, received): {measured}")
 
 
 def test_a_node_replaced_by_an_empty_one_resumes_from_the_replicas_bit_identical_to_the_uninterrupted_run(
@@ -167,8 +175,7 @@ def test_a_node_replaced_by_an_empty_one_resumes_from_the_replicas_bit_identical
             {s: written.results[rank]["ids"][s] for s in map(str, range(7, 11))}
     plan = restore_plan(grid(4, 2), 1, _data_bytes(written, 6), {2}, shrink=False, network=LOOPBACK)
     _assembled_as_planned(run, plan)
-    print(f"(i) restore: {max(r['restored']['seconds'] for r in run.results):.3f} s measured, "
-          f"{plan.seconds:.4f} s modelled")
+    _report("(i) node 2 replaced", run, plan)
 
 
 def test_a_job_restarted_on_the_remaining_nodes_reshards_the_replicas(written, tmp_path):
@@ -180,8 +187,7 @@ def test_a_job_restarted_on_the_remaining_nodes_reshards_the_replicas(written, t
     _same_samples(run, written, [7, 8], _batches(written, [5, 6]))
     plan = restore_plan(grid(4, 2), 1, _data_bytes(written, 6), {2}, shrink=True, network=LOOPBACK)
     _assembled_as_planned(run, plan)
-    print(f"(ii) restore: {max(r['restored']['seconds'] for r in run.results):.3f} s measured, "
-          f"{plan.seconds:.4f} s modelled")
+    _report("(ii) node 2 removed", run, plan)
 
 
 def test_two_adjacent_nodes_lost_fall_back_to_the_disk_then_a_job_on_more_nodes_resumes_from_memory(written,
@@ -205,3 +211,4 @@ def test_two_adjacent_nodes_lost_fall_back_to_the_disk_then_a_job_on_more_nodes_
     _same_samples(grown, written, [7, 8], _batches(fell, [5, 6]))
     plan = restore_plan(grid(2, 2), 1, _data_bytes(fell, 6), (), shrink=False, network=LOOPBACK, added=(2,))
     _assembled_as_planned(grown, plan)
+    _report("(iv) 2 nodes -> 3", grown, plan)
