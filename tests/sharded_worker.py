@@ -257,11 +257,12 @@ class Training:
             self.ck.save(self.state(), self.step, local={"rng": self.rng, "data": self.sampler.data_position()})
 
     def finish(self) -> None:
-        """This rank's final state as it holds it (its own chunks, ``to_local()``) to ``OUT``."""
+        """This rank's final state as it holds it (its own chunks, ``to_local()``) and torch's random
+        stream (dropout's) to ``OUT``."""
         self.ck.wait()
         state = self.state()
-        torch.save({"state": _local(state), "step": self.step, "resumed_from": self.resumed_from},
-                   self._path("final", "pt"))
+        torch.save({"state": _local(state), "rng": self.rng["torch"], "step": self.step,
+                    "resumed_from": self.resumed_from}, self._path("final", "pt"))
         self.ck.close()
 
     def _path(self, what: str, ext: str) -> str:

@@ -333,8 +333,9 @@ def seen_rows(out, layout: str, rank: int) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("world, layout", [(4, "fsdp"), (4, "hsdp:2x2"), (4, "fsdp_tp:2x2"), (8, "hsdp:2x4")])
 def test_killed_mid_training_then_resumed_ends_bit_identical_on_every_rank(trained, world, layout):
-    """Every rank's chunks of the weights and of AdamW's state, the schedule, and the samples each rank
-    trained on at each step are the uninterrupted job's; each epoch saw every sample once."""
+    """Every rank's chunks of the weights and of AdamW's state, the schedule, its torch RNG (dropout) and
+    the samples it trained on at each step are the uninterrupted job's; each epoch saw every sample
+    once."""
     ref, got = trained(world)
     name = layout.replace(":", "-")
     by_step: list[tuple[dict, dict]] = []
@@ -342,7 +343,7 @@ def test_killed_mid_training_then_resumed_ends_bit_identical_on_every_rank(train
         a = torch.load(ref / f"final-{name}-rank{rank}.pt", weights_only=True)
         b = torch.load(got / f"final-{name}-rank{rank}.pt", weights_only=True)
         assert (a["resumed_from"], b["resumed_from"], b["step"]) == (None, 5, STEPS)
-        assert_same(b["state"], a["state"], f"rank {rank}")
+        assert_same((b["state"], b["rng"]), (a["state"], a["rng"]), f"rank {rank}")
         rows = seen_rows(got, layout, rank)  # the killed job's steps 1..8, then the resumed job's 6..16
         assert [r["step"] for r in rows[:KILL_AT]] == list(range(1, KILL_AT + 1))
         resumed = rows[:5] + rows[KILL_AT:]
