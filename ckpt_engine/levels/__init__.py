@@ -3,7 +3,8 @@
 ``Checkpointer`` with several levels (:mod:`.multilevel`), a node-memory level (:mod:`.memory`,
 replicated to peers by :mod:`.replicate`), background flushers to the lower levels
 (:mod:`.flush`, copying with :mod:`.transfer`), and restoring from the fastest level that verifies
-(:mod:`.restore`)."""
+(:mod:`.restore`; from the parts the nodes hold: :mod:`.assemble`). :mod:`.scale` runs the memory
+level on paper at any number of nodes."""
 
 from __future__ import annotations
 
