@@ -11,9 +11,10 @@ from .errors import (CheckpointError, CheckpointWarning, CommitTimeoutError, Cor
                      UnsupportedValueError)
 from .interop import export
 from .save.tally import SaveRecord
+from .training.ddp_buckets import DDPBucketOrder
 
 __all__ = [
-    "Checkpointer", "SaveHandle", "SaveRecord", "export", "Comm", "LocalComm", "TorchDistComm",
+    "Checkpointer", "SaveHandle", "SaveRecord", "DDPBucketOrder", "export", "Comm", "LocalComm", "TorchDistComm",
     "CheckpointError", "CheckpointWarning", "CommitTimeoutError", "CorruptionError", "FormatError", "NoCheckpointError",
     "StorageError", "DiskFullError", "UnsupportedValueError", "MismatchError", "InsufficientMemoryError",
 ]

@@ -3,7 +3,9 @@
 A tiny character-level transformer language model, trained with DistributedDataParallel on 2
 gloo ranks on CPU. Every ``--every`` steps it saves a checkpoint with :class:`Checkpointer`:
 
-* ``state`` (replicated, sliced across ranks): model, optimizer, LR scheduler, step, epoch;
+* ``state`` (replicated, sliced across ranks): model, optimizer, LR scheduler, step, epoch, and the
+  order DDP's gradients become ready (:class:`DDPBucketOrder`: replayed after a restore so that DDP,
+  with its default arguments, reduces as the uninterrupted run on any number of ranks);
 * ``local`` (per rank, whole): torch / Python / NumPy RNG states and the data position.
 
 When the checkpoint directory already holds a committed checkpoint, the run resumes from the
@@ -54,10 +56,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 try:
-    from ckpt_engine import Checkpointer, TorchDistComm
+    from ckpt_engine import Checkpointer, DDPBucketOrder, TorchDistComm
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from ckpt_engine import Checkpointer, TorchDistComm
+    from ckpt_engine import Checkpointer, DDPBucketOrder, TorchDistComm
 
 SEQ = 64
 SEED = 1234
@@ -210,6 +212,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kill-at-step", type=int, default=None,
                    help="SIGKILL every rank right after this step (first incarnation only under torchrun)")
     p.add_argument("--out-weights", default=None, help="rank 0 saves the final weights here (torch.save)")
+    p.add_argument("--record", default=None, metavar="DIR",
+                   help="every rank appends the sample ids of each step to DIR/seen-rank<r>.jsonl and saves its "
+                        "final model and optimizer state to DIR/final-rank<r>.pt (to check a resume, rank by rank)")
     p.add_argument("--metrics", default=None, help="rank 0 writes timings as JSON here")
     return p.parse_args(argv)
 
@@ -243,6 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory:  # node memory first (replicated to a rank of another node), the directory flushed from it
         where = {"levels": [{"kind": "memory", "path": args.memory}, args.dir]}
     ck = Checkpointer(**where, comm=TorchDistComm(), keep_last=args.keep_last)
+    # DDP with its defaults rebuilds its gradient buckets after the first backward, in the order the
+    # gradients became ready; DDPBucketOrder records that order and, after a restore, replays it, so a
+    # resumed process reduces (and on more than 2 ranks rounds) exactly as the uninterrupted run.
+    ddp = DDP(model)
+    buckets = DDPBucketOrder(ddp)
     step, epoch, skip, resumed_from, restore_s = 0, 0, 0, None, None
     if ck.latest_step() is not None:
         t0 = time.perf_counter()
@@ -252,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
+        buckets.load_state_dict(state.get("ddp"))  # every rank: one zero-valued warm-up step
         step, epoch, skip = state["step"], state["epoch"], local["batch_in_epoch"]
         rng_restore(local)
         resumed_from = step
@@ -263,11 +274,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         log(f"fresh start: {sum(p.numel() for p in model.parameters()):,} parameters, corpus {len(corpus):,} chars, "
             f"vocab {len(ds.chars)}, {len(ds)} windows, {per_epoch} steps/epoch x {world} ranks x {args.batch_size}")
-    # On more than 2 ranks, find_unused_parameters=True: DDP then never rebuilds its gradient buckets,
-    # so a resumed process reduces gradients in the same order as an uninterrupted one (a float sum of
-    # more than two terms depends on that order; otherwise the first update after a restart differs
-    # in the last bits). On 2 ranks the order cannot matter and DDP would warn that the flag costs.
-    ddp = DDP(model, find_unused_parameters=world > 2)
 
     # A dedicated generator: a DataLoader draws a seed per iterator, and drawing it from the
     # global torch RNG would shift the dropout stream differently in a resumed run.
@@ -277,11 +283,19 @@ def main(argv: list[str] | None = None) -> int:
     reported = 0
     t_start = time.perf_counter()
     loss = torch.tensor(float("nan"))
+    if args.record:
+        os.makedirs(args.record, exist_ok=True)
+    seen = open(os.path.join(args.record, f"seen-rank{rank}.jsonl"), "a") if args.record else None
     while step < args.steps:
         sampler.set_epoch(epoch)
-        loader = DataLoader(ds, batch_size=args.batch_size, sampler=SkipFirst(sampler, skip * args.batch_size),
-                            drop_last=True, generator=loader_gen)
+        order = SkipFirst(sampler, skip * args.batch_size)
+        loader = DataLoader(ds, batch_size=args.batch_size, sampler=order, drop_last=True, generator=loader_gen)
+        ids = list(order) if seen else []  # the DistributedSampler's order depends on (seed, epoch) only
         for i, (x, y) in enumerate(loader, start=skip):
+            if seen:
+                first = (i - skip) * args.batch_size
+                seen.write(json.dumps({"step": step + 1, "epoch": epoch, "ids": ids[first:first + args.batch_size]}) + "\n")
+                seen.flush()
             t0 = time.perf_counter()
             logits = ddp(x)
             loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
@@ -297,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"lr {sched.get_last_lr()[0]:.2e}")
             if args.every and step % args.every == 0:
                 state = {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                         "scheduler": sched.state_dict(), "step": step, "epoch": epoch}
+                         "scheduler": sched.state_dict(), "step": step, "epoch": epoch, "ddp": buckets.state_dict()}
                 ck.save(state, step, local=rng_snapshot(i + 1))
             while reported < len(ck.records) and (ck.records[reported].committed or ck.records[reported].skipped):
                 log(fmt_record(ck.records[reported]))
@@ -310,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         epoch, skip = epoch + 1, 0
 
     train_s = time.perf_counter() - t_start
+    if seen:
+        seen.close()
     ck.wait()
     for r in list(ck.records)[reported:]:
         log(fmt_record(r))
@@ -324,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
                        "step_times": step_times, "final_loss": loss.item(), "records": records}, f)
     if rank == 0 and args.out_weights:
         torch.save(model.state_dict(), args.out_weights)
+    if args.record:
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()},
+                   os.path.join(args.record, f"final-rank{rank}.pt"))
     ck.close()
     # Free DDP (its C++ Reducer holds the process group) before destroying the group. Otherwise
     # the group's last reference can drop inside the Reducer's destructor, which runs with the

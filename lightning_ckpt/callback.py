@@ -38,6 +38,7 @@ from ckpt_engine import CheckpointError, LocalComm, TorchDistComm
 from ckpt_engine.config import DEFAULT_KEEP_LAST
 from ckpt_engine.host.collector import pause_collector, resume_collector
 from ckpt_engine.interop.lightning import assemble
+from ckpt_engine.training.ddp_buckets import DDPBucketOrder
 from ckpt_engine.training.parts import Parts
 from ckpt_engine.training.resumable import ResumableSampler, set_rng_state
 from ckpt_engine.training.session import TrainingSession
@@ -117,6 +118,8 @@ class AsyncShardedCheckpoint(*_lightning.bases("callbacks.Callback")):  # type: 
         self._due = False  # a checkpoint decided at an epoch's last batch, taken after that epoch's end
         self._restarted_epoch = False  # restored from ours; the first epoch's end not reached yet
         self._sharded = False  # the strategy shards the state (see lightning_ckpt._sharded)
+        self._buckets: DDPBucketOrder | None = None  # under DDP: its gradient order, replayed after a restore
+        self._restored_buckets: dict[str, Any] | None = None  # the order a restored checkpoint recorded
 
     @property
     def state_key(self) -> str:
@@ -186,8 +189,21 @@ class AsyncShardedCheckpoint(*_lightning.bases("callbacks.Callback")):  # type: 
                 torch.empty((), dtype=torch.int64).random_()  # the new epoch's DataLoader seed draw
         self._epoch_end_draws = 0
         self._last_global_step = trainer.global_step
+        self._replay_ddp_buckets(trainer)
         if self.session.active:
             self.session.begin()  # after Lightning registered its own signal handlers for the run
+
+    def _replay_ddp_buckets(self, trainer: "Trainer") -> None:
+        """Under DDP: record the order its gradients become ready and, after a restore (ours or
+        Lightning's checkpoint, which carries this callback's state), replay the recorded one, so the
+        resumed run reduces as the uninterrupted one (``ckpt_engine.training.ddp_buckets``)."""
+        model = trainer.strategy.model
+        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return
+        self._buckets = DDPBucketOrder(model)
+        restored, self._restored_buckets = self._restored_buckets, None
+        if trainer.global_step > 0:  # resumed from a checkpoint: every rank, the same step
+            self._buckets.load_state_dict(restored)
 
     # ---- saving -----------------------------------------------------------------------------
     def on_before_optimizer_step(self, trainer: "Trainer", pl_module: "LightningModule",
@@ -292,7 +308,11 @@ class AsyncShardedCheckpoint(*_lightning.bases("callbacks.Callback")):  # type: 
 
     # ---- the callback's own state (rides in Lightning's checkpoint) -----------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"policy": self.policy.state_dict()}
+        state: dict[str, Any] = {"policy": self.policy.state_dict()}
+        if self._buckets is not None:
+            state["ddp_buckets"] = self._buckets.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.policy.load_state_dict(state_dict.get("policy", {}))
+        self._restored_buckets = state_dict.get("ddp_buckets")

@@ -148,15 +148,16 @@ def killed_and_resumed(tmp_path, flags, kill_at: int, restorable, ref=None):
 
 
 def assert_epoch_resplit(out, first: str, before: int, after: int, restored: int, epoch: int, left: int,
-                         per_epoch: int) -> None:
+                         per_epoch: int, first_out=None, next_batches: int = 2) -> None:
     """The interrupted ``epoch`` saw each of its 256 samples once: the run tagged ``first`` on ``before``
-    devices up to step ``restored``, the rest re-split among ``after`` devices (tag ``resumed``), each
-    of which ran the last ``left`` of the epoch's ``per_epoch`` batches, then two of the next epoch."""
-    ids = [i for rank in range(before) for row in seen(out, first, rank)
+    devices up to step ``restored`` (its files in ``first_out``, default ``out``), the rest re-split among
+    ``after`` devices (tag ``resumed``), each of which ran the last ``left`` of the epoch's ``per_epoch``
+    batches, then ``next_batches`` of the next epoch."""
+    ids = [i for rank in range(before) for row in seen(first_out or out, first, rank)
            if row["epoch"] == epoch and row["step"] <= restored for i in row["ids"]]
     ids += [i for rank in range(after) for row in seen(out, "resumed", rank) if row["epoch"] == epoch
             for i in row["ids"]]
     assert sorted(ids) == list(range(256))
     for rank in range(after):
         assert [(row["epoch"], row["batch"]) for row in seen(out, "resumed", rank)] == (
-            [(epoch, b) for b in range(per_epoch - left, per_epoch)] + [(epoch + 1, 0), (epoch + 1, 1)])
+            [(epoch, b) for b in range(per_epoch - left, per_epoch)] + [(epoch + 1, b) for b in range(next_batches)])

@@ -2,7 +2,8 @@
 
 Usage: ``python lightning_worker.py OUT CKPT [--devices 2] [--workers 0] [--max-steps 40]
 [--every 5] [--kill-at K] [--sigterm-at K] [--tag NAME] [--ckpt-path PATH] [--model-checkpoint]
-[--stateful] [--ddp-on-one] [--strategy ddp_spawn|ddp|fsdp2|fsdp2_tp|fsdp1] [--no-mesh]``.
+[--stateful] [--ddp-on-one] [--strategy ddp_spawn|ddp|fsdp2|fsdp2_tp|fsdp1] [--no-mesh] [--accumulate N]
+[--early-stopping] [--every-rank]``.
 ``fsdp2``: ``ModelParallelStrategy`` with every device on the data-parallel dimension (FSDP2:
 ``fully_shard`` in ``configure_model``); ``fsdp2_tp``: a data-parallel dimension of ``devices / 2``
 and tensor parallel over 2 (colwise then rowwise), FSDP2 over the data-parallel dimension; their
@@ -142,6 +143,10 @@ class Net(pl.LightningModule):
         if self.args.model_checkpoint:  # every rank calls it; Lightning writes on rank 0
             self.trainer.save_checkpoint(os.path.join(self.args.out, "manual.ckpt"))
         state = self.full_state()  # every rank: a collective when sharded
+        if self.args.every_rank:  # this rank's own (buffers differ across DDP ranks), and the callbacks' states
+            stopper = next((c for c in self.trainer.callbacks if isinstance(c, pl.callbacks.EarlyStopping)), None)
+            torch.save({**state, "early_stopping": stopper.state_dict() if stopper else None},
+                       os.path.join(self.args.out, f"final-{self.args.tag}-rank{self.global_rank}.pt"))
         if self.global_rank == 0:
             sched = self.trainer.lr_scheduler_configs[0].scheduler
             torch.save({**state, "step": self.global_step,
@@ -238,6 +243,9 @@ def main() -> None:
     p.add_argument("--scheduler", default="step", choices=["step", "plateau", "exp"])
     p.add_argument("--val", action="store_true", help="validate at every epoch end")
     p.add_argument("--pipeline", action="store_true", help="the callback's pipeline=True (deferred snapshot)")
+    p.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=N)")
+    p.add_argument("--early-stopping", action="store_true", help="EarlyStopping on val_loss (patience 10; with --val)")
+    p.add_argument("--every-rank", action="store_true", help="every rank writes OUT/final-<tag>-rank<r>.pt")
     args = p.parse_args()
     pl.seed_everything(1234, workers=True)
     where = {"levels": [args.ckpt, args.level2]} if args.level2 else {"dirpath": args.ckpt}
@@ -251,8 +259,10 @@ def main() -> None:
     if args.model_checkpoint:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=os.path.join(args.out, "mc"), monitor="loss",
                                                       save_top_k=2, every_n_train_steps=4))
+    if args.early_stopping:
+        callbacks.append(pl.callbacks.EarlyStopping(monitor="val_loss", patience=10, min_delta=0.01))
     trainer = pl.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy(args),
-                         num_nodes=args.nodes,
+                         num_nodes=args.nodes, accumulate_grad_batches=args.accumulate,
                          max_steps=args.max_steps,
                          callbacks=callbacks, logger=pl.loggers.CSVLogger(args.out, name=args.tag),
                          enable_progress_bar=False, enable_model_summary=False,

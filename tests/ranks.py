@@ -137,3 +137,26 @@ def kill_tree(proc: subprocess.Popen) -> None:
 def _state(pid: int) -> str:
     fields = proc_stat(pid)
     return fields[0] if fields else "X"
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+
+
+def torchrun_nodes(nodes: int, per_node: int, script: str, *args: str, expect_ok: bool = True,
+                   timeout: float = 300) -> list[str]:
+    """``script`` (a path under the repository) on ``nodes`` simulated nodes of ``per_node`` ranks, as
+    users launch it: one ``torchrun --nnodes N --node-rank n`` agent per node on this machine (static
+    rendezvous on 127.0.0.1, ``GROUP_RANK`` n). Returns each agent's output; with ``expect_ok`` every
+    agent must exit 0."""
+    port = str(free_port())
+    agents = [subprocess.Popen([TORCHRUN, "--nnodes", str(nodes), "--node-rank", str(n), "--nproc-per-node",
+                                str(per_node), "--master-addr", "127.0.0.1", "--master-port", port,
+                                os.path.join(ROOT, script), *args],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                               env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+              for n in range(nodes)]
+    outs = [a.communicate(timeout=timeout)[0] for a in agents]
+    if expect_ok:
+        assert all(a.returncode == 0 for a in agents), "\n".join(out[-3000:] for out in outs)
+    return outs

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from helpers import assert_same  # noqa: E402
-from ranks import free_port, kill_tree, start_ranks  # noqa: E402
+from ranks import kill_tree, start_ranks, torchrun_nodes  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 LIGHTNING_WORKER = os.path.join(os.path.dirname(__file__), "lightning_worker.py")
@@ -87,16 +87,13 @@ def test_lightning_ddp_on_two_nodes_resumes_a_lost_node_from_memory_bit_identica
 
 def test_lightning_ddp_two_nodes_of_two_ranks_resume_a_lost_node_from_memory_bit_identical(tmp_path):
     """2 nodes x 2 ranks: the state restored from memory (node 1's parts from node 0's replicas) is
-    the uninterrupted run's at that step, and the run ends bit-identical to it. The strategy is
-    ``ddp_find_unused_parameters_true``: plain ``ddp`` rebuilds its gradient buckets after a
-    process's first step, and on more than 2 ranks the first update after any restart then differs
-    in the last bits (README, caveats)."""
+    the uninterrupted run's at that step, and the run ends bit-identical to it, under plain ``ddp``
+    with its defaults (the callback replays DDP's gradient bucket order: test_ddp_exact.py)."""
     ref, run = tmp_path / "ref", tmp_path / "run"
     for d in (ref, run):
         d.mkdir()
-    strategy = ("--strategy", "ddp_find_unused_parameters_true")
-    resumed = _kill_lose_node_1_and_resume(tmp_path, run, 2, 2, "--dump-restored", *strategy)
-    _finish(_lightning_ranks(ref, tmp_path / "ck-ref", tmp_path / "mem", 2, 2, "--max-steps", "30", *strategy,
+    resumed = _kill_lose_node_1_and_resume(tmp_path, run, 2, 2, "--dump-restored")
+    _finish(_lightning_ranks(ref, tmp_path / "ck-ref", tmp_path / "mem", 2, 2, "--max-steps", "30",
                              tag="ref"))
     _same(torch.load(ref / "final-ref.pt"), torch.load(run / "final-run.pt"))
     restored = torch.load(run / "restored-run.pt")
@@ -173,22 +170,10 @@ def test_horovod_hook_resumes_a_lost_node_and_a_lost_disk_from_the_other_nodes_m
 
 
 # ---- the core: examples/plain_train.py under torchrun, two simulated nodes ------------------------------
-TORCHRUN = Path(sys.executable).parent / "torchrun"
-
-
 def _torchrun_two_nodes(base: Path, ck: Path, *args: str, expect_ok: bool = True) -> str:
-    """The example on 2 nodes of 2 ranks (two torchrun agents, ``--nnodes 2``: ``GROUP_RANK`` 0 and 1)."""
-    port = str(free_port())
-    agents = [subprocess.Popen([str(TORCHRUN), "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "2",
-                                "--master-addr", "127.0.0.1", "--master-port", port,
-                                str(ROOT / "examples" / "plain_train.py"), "--steps", "40", "--every", "5",
-                                "--dir", str(ck), "--memory", str(base / "mem"), *args],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                               env=dict(os.environ, OMP_NUM_THREADS="1")) for n in range(2)]
-    outs = [a.communicate(timeout=300)[0] for a in agents]
-    if expect_ok:
-        assert all(a.returncode == 0 for a in agents), outs[0][-3000:] + outs[1][-3000:]
-    return outs[0]
+    """The example on 2 nodes of 2 ranks with a memory level; rank 0's agent's output."""
+    return torchrun_nodes(2, 2, "examples/plain_train.py", "--steps", "40", "--every", "5", "--dir", str(ck),
+                          "--memory", str(base / "mem"), *args, expect_ok=expect_ok)[0]
 
 
 def test_plain_ddp_under_torchrun_resumes_a_lost_node_and_a_lost_disk_from_memory_bit_identical(tmp_path):
