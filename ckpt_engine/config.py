@@ -3,7 +3,9 @@
 Flags (keyword arguments or YAML keys): ``path``, ``every_n_steps``, ``every_seconds``,
 ``overhead_budget``, ``max_interval``, ``keep_last``, ``levels``, ``storage_options``,
 ``restore_route`` (``auto``, ``read`` or ``exchange``: how a restore on several ranks gets the
-replicated state, see ``ckpt_engine.load.exchange``). The three
+replicated state, see ``ckpt_engine.load.exchange``), ``deterministic_reduction`` (read by the
+Horovod hook: gradients summed in the same order in every run, so that a resume on more than 2
+ranks is bit-identical; see ``horovod_ckpt.reduction``). The three
 triggers are mutually exclusive; ``max_interval`` ("at least every ... seconds") composes with any.
 ``storage_options`` go to fsspec; the one the library reads too, ``max_concurrency`` (on S3: the
 parts of one file uploaded, or ranges of one read fetched, at once; s3fs's default 10), is checked
@@ -197,6 +199,8 @@ class CheckpointConfig:
     levels: tuple[LevelSpec, ...] | None = None
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     restore_route: str = "auto"
+    deterministic_reduction: bool = False
+    """Horovod: tensor fusion off, each tensor reduced alone (``horovod_ckpt.init`` applies it at ``hvd.init()``)."""
 
     def __post_init__(self) -> None:
         if (self.path is None) == (self.levels is None):
@@ -213,6 +217,8 @@ class CheckpointConfig:
             raise ConfigError(f"'path' must be a non-empty string (or, in code, a Storage), got {self.path!r}")
         _check(self.restore_route in ROUTES, "restore_route", self.restore_route,
                f"one of {', '.join(map(repr, ROUTES))}")
+        _check(type(self.deterministic_reduction) is bool, "deterministic_reduction", self.deterministic_reduction,
+               "true or false")
         triggers = [k for k in ("every_n_steps", "every_seconds", "overhead_budget") if getattr(self, k) is not None]
         if len(triggers) > 1:
             raise ConfigError(f"{' and '.join(triggers)} are mutually exclusive: choose one trigger "

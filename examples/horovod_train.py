@@ -12,7 +12,9 @@ continues from the newest committed checkpoint, with the same weights, optimizer
 and the exact next sample of the interrupted epoch, so the final weights are bit for bit those of
 an uninterrupted run. With another ``-np`` it continues the same state, with the unseen rest of the
 epoch split across the new ranks. The checkpoint flags can also come from YAML:
-``--ckpt-config examples/horovod_ckpt.yaml``.
+``--ckpt-config examples/horovod_ckpt.yaml``. On more than 2 ranks the resume is bit for bit only
+with ``--deterministic-reduction`` (or ``deterministic_reduction: true`` in the YAML, as the
+example's file has it): ``horovod_ckpt.init`` then starts Horovod with tensor fusion off.
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 try:
-    from horovod_ckpt import HorovodCheckpointer  # ckpt
+    import horovod_ckpt  # ckpt
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from horovod_ckpt import HorovodCheckpointer
+    import horovod_ckpt
+from horovod_ckpt import HorovodCheckpointer  # ckpt
 
 FEATURES, CLASSES = 32, 10
 
@@ -74,11 +77,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ckpt-dir", default=None, help="checkpoint root (local path or fsspec URL)")
     p.add_argument("--ckpt-config", default=None, help="YAML with the checkpoint flags")
     p.add_argument("--every", type=int, default=None, help="checkpoint every N steps (when no YAML)")
+    p.add_argument("--deterministic-reduction", action="store_true", default=None,
+                   help="tensor fusion off: bit-identical resume on more than 2 ranks (else the YAML's key)")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--first-epoch", type=int, default=0, help="number of the first epoch (Horovod examples: 1)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps in all")
     p.add_argument("--samples", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8, help="per rank")
+    p.add_argument("--hidden", type=int, default=256, help="width of the hidden layers")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--step-delay", type=float, default=0.0, help="sleep per step (lets tests kill mid-epoch)")
@@ -93,7 +99,7 @@ def build(args: argparse.Namespace) -> tuple[Any, ...]:
     dataset = Blobs(args.samples, args.seed)
     sampler = DistributedSampler(dataset, num_replicas=hvd.size(), rank=hvd.rank(), shuffle=True, seed=args.seed)
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
-    model = Net()
+    model = Net(args.hidden)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=0.9)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
@@ -107,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)              # two ranks share two cores; fixed reduction order
     torch.use_deterministic_algorithms(True)
-    hvd.init()
+    horovod_ckpt.init(args.ckpt_config, deterministic_reduction=args.deterministic_reduction)  # ckpt: was hvd.init()
     sampler, loader, model, optimizer, scheduler = build(args)
     say = print if hvd.rank() == 0 else (lambda *a, **k: None)
 
@@ -121,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ck = HorovodCheckpointer(args.ckpt_dir, model=model, optimizer=optimizer, sampler=sampler,  # ckpt
                              scheduler=scheduler, config=args.ckpt_config, every_n_steps=args.every,
-                             on_figures=figures)
+                             deterministic_reduction=args.deterministic_reduction, on_figures=figures)
     start = ck.restore()  # ckpt
     say(f"resumed from step {start}, epoch {ck.epoch}, {ck.samples_in_epoch} samples of it done" if start
         else "fresh start", flush=True)

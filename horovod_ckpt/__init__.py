@@ -4,6 +4,8 @@
   optimizer step, ``close()`` at the end; rank-sliced asynchronous checkpoints, exact resume.
 * :class:`HorovodComm` — the core's communicator over Horovod's object collectives.
 * :class:`DurableTorchState` — ``hvd.elastic.TorchState`` whose ``commit()`` also persists.
+* :func:`init` — ``hvd.init()`` with tensor fusion off when the checkpoint configuration asks for a
+  deterministic reduction (exact resume on more than 2 ranks).
 
 Horovod itself is imported when one of these is used, so this package imports without it.
 """
@@ -12,8 +14,9 @@ from typing import Any
 
 from .comm import HorovodComm
 from .hook import HorovodCheckpointer
+from .reduction import init
 
-__all__ = ["HorovodCheckpointer", "HorovodComm", "DurableTorchState"]
+__all__ = ["HorovodCheckpointer", "HorovodComm", "DurableTorchState", "init"]
 
 
 def __getattr__(name: str) -> Any:

@@ -27,6 +27,7 @@ thread: a checkpoint whose writers did not all survive never commits (the previo
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from typing import Any
@@ -37,10 +38,11 @@ from horovod.torch.elastic import TorchState
 
 from ckpt_engine import Checkpointer
 from ckpt_engine.config import UNSET, resolve_config
-from ckpt_engine.errors import NoCheckpointError
+from ckpt_engine.errors import ConfigError, NoCheckpointError
 from ckpt_engine.training.parts import Parts, split_weights
 from ckpt_engine.training.session import TrainingSession
 
+from . import reduction
 from .comm import HorovodComm
 
 _TRIGGERS = ("every_n_steps", "every_seconds", "overhead_budget")
@@ -54,7 +56,10 @@ class DurableTorchState(TorchState):
         model, optimizer, **kwargs: as for ``TorchState`` (plain attributes such as ``epoch`` and
             ``batch`` must be plain values: numbers, strings, lists, dicts).
         config, every_n_steps, every_seconds, overhead_budget, max_interval, keep_last, levels, storage_options:
-            the core's flags; steps count commits (default: every commit).
+            the core's flags; steps count commits (default: every commit). The config's
+            ``deterministic_reduction: true`` is checked against this worker's environment, whatever
+            the number of workers (an elastic job may grow past 2): call ``horovod_ckpt.init(config)``
+            before ``hvd.init()``; elastic resets read the same environment.
         commit_timeout: seconds rank 0 waits for every writer (short: workers come and go).
     """
 
@@ -71,6 +76,10 @@ class DurableTorchState(TorchState):
             flags["every_n_steps"] = 1
         self._durable_config = resolve_config(config, flags)
         self._durable_policy = self._durable_config.policy()
+        refused = reduction.refusal(self._durable_config.deterministic_reduction,
+                                    [os.environ.get(reduction.FUSION_THRESHOLD)])
+        if refused:
+            raise ConfigError(refused)
         self._commit_timeout = commit_timeout
         self._session: TrainingSession | None = None
         self._world: tuple[int, int] | None = None

@@ -2,7 +2,8 @@
 
 Order of calls, on every rank, from the training thread::
 
-    hvd.init(); ... model, optimizer = hvd.DistributedOptimizer(...), sampler, loader ...
+    horovod_ckpt.init(config)     # hvd.init(), with tensor fusion off when the config asks for it
+    ... model, optimizer = hvd.DistributedOptimizer(...), sampler, loader ...
     ck = HorovodCheckpointer(path, model=model, optimizer=optimizer, sampler=sampler, every_n_steps=50)
     start_step = ck.restore()     # 0 when nothing is committed; else every rank holds the state
     for epoch in ck.epochs(1, epochs + 1):   # the script's numbering; sets the sampler's epoch
@@ -29,12 +30,12 @@ from ckpt_engine import CheckpointError
 from ckpt_engine.agree import on_every_rank
 from ckpt_engine.comm import Comm
 from ckpt_engine.config import UNSET, resolve_config
-from ckpt_engine.errors import NoCheckpointError
+from ckpt_engine.errors import ConfigError, NoCheckpointError
 from ckpt_engine.training.parts import Parts, Resumed
 from ckpt_engine.training.resumable import make_resumable, set_rng_state
 from ckpt_engine.training.session import TrainingSession
 
-from . import _hparams, _preempt
+from . import _hparams, _preempt, reduction
 from ._hparams import Hparams, OptimizerHparams
 from ._state import Tracked
 from ._epochs import EpochLoop
@@ -70,6 +71,12 @@ class HorovodCheckpointer:
             schedule on the script's base). See :mod:`horovod_ckpt._hparams`.
         restore_route: how a restore on several ranks gets the replicated state (``"auto"``,
             ``"read"``, ``"exchange"``; also a YAML key): see ``ckpt_engine.load.exchange``.
+        deterministic_reduction: the gradients must be summed in the same order in every run, so
+            that a resume on more than 2 ranks is bit-identical (also a YAML key): Horovod's tensor
+            fusion off, which :func:`horovod_ckpt.init` applies at ``hvd.init()`` (the hook comes
+            too late to). Asked for and not in effect on more than 2 ranks: a ``ConfigError`` on
+            every rank. Not asked for and not in effect: :meth:`restore` warns on rank 0 when it
+            resumes more than 2 ranks. See :mod:`horovod_ckpt.reduction`.
         max_inflight, commit_timeout: passed to :class:`~ckpt_engine.Checkpointer`.
         comm: the communicator (default :class:`~horovod_ckpt.comm.HorovodComm`; tests inject one).
     """
@@ -83,17 +90,23 @@ class HorovodCheckpointer:
                  save_on_sigterm: bool = True, final_checkpoint: bool = True,
                  on_figures: Callable[[dict[str, Any]], None] | None = None, max_inflight: int = 1,
                  commit_timeout: float = 600.0, comm: Comm | None = None,
-                 optimizer_hparams: OptimizerHparams = "checkpoint", restore_route: str | None = None) -> None:
+                 optimizer_hparams: OptimizerHparams = "checkpoint", restore_route: str | None = None,
+                 deterministic_reduction: bool | None = None) -> None:
         self.optimizer_hparams = _hparams.check_choice(optimizer_hparams)
         flags = {"path": path, "every_n_steps": every_n_steps, "every_seconds": every_seconds,
                  "overhead_budget": overhead_budget, "max_interval": max_interval, "keep_last": keep_last,
-                 "levels": levels, "storage_options": storage_options, "restore_route": restore_route}
+                 "levels": levels, "storage_options": storage_options, "restore_route": restore_route,
+                 "deterministic_reduction": deterministic_reduction}
         self.config = resolve_config(config, flags)
         self.policy = self.config.policy()
         self.tracked = Tracked(model, optimizer, scheduler, dict(extra or {}))
         self.sampler = make_resumable(sampler, batch_size) if sampler is not None else None
         self.final_checkpoint, self.on_figures = final_checkpoint, on_figures
         self.comm: Comm = comm if comm is not None else HorovodComm()
+        self._fusion = reduction.settings(self.comm)  # every rank's, so that every rank decides alike
+        refused = reduction.refusal(self.config.deterministic_reduction, self._fusion)
+        if refused:
+            raise ConfigError(refused)
         self.session = TrainingSession(self.config, self._capture, name="HorovodCheckpointer", policy=self.policy,
                                        max_inflight=max_inflight, commit_timeout=commit_timeout,
                                        on_figures=lambda row: self.on_figures(row) if self.on_figures else None)
@@ -143,7 +156,9 @@ class HorovodCheckpointer:
         back this rank's RNG states and the sampler's position; the optimizer's hyper-parameters
         follow ``optimizer_hparams``. Call it after the initial ``hvd.broadcast_parameters`` /
         ``broadcast_optimizer_state`` and before the loop. A failure on any rank (rank 0 listing
-        the checkpoints, any rank reading or loading them) is raised on every rank.
+        the checkpoints, any rank reading or loading them) is raised on every rank. Resuming more
+        than 2 ranks with Horovod's tensor fusion on, rank 0 warns that the run will not end
+        bit-identical, naming ``deterministic_reduction``.
         """
         self._check_open()
         try:  # the newest checkpoint (or step's) that verifies on every rank, all parts this rank reads
@@ -153,6 +168,9 @@ class HorovodCheckpointer:
         warning = on_every_rank(self.comm, lambda: self._apply_restored(resumed))
         if warning:
             warnings.warn(warning, stacklevel=2)
+        inexact = reduction.resume_warning(self._fusion) if self.rank == 0 else None
+        if inexact:
+            warnings.warn(inexact, stacklevel=2)
         return self.step
 
     def restore_dcp(self, src: str, *, trust: bool = False, storage_options: Mapping[str, Any] | None = None) -> int:
