@@ -3,15 +3,18 @@
 A tiny character-level transformer language model, trained with DistributedDataParallel on 2
 gloo ranks on CPU. Every ``--every`` steps it saves a checkpoint with :class:`Checkpointer`:
 
-* ``state`` (replicated, sliced across ranks): model, optimizer, LR scheduler, step, epoch, and the
-  order DDP's gradients become ready (:class:`DDPBucketOrder`: replayed after a restore so that DDP,
-  with its default arguments, reduces as the uninterrupted run on any number of ranks);
-* ``local`` (per rank, whole): torch / Python / NumPy RNG states and the data position.
+* ``state`` (replicated, sliced across ranks): model, optimizer, LR scheduler, step, and the order
+  DDP's gradients become ready (:class:`DDPBucketOrder`: replayed after a restore so that DDP, with
+  its default arguments, reduces as the uninterrupted run on any number of ranks);
+* ``local`` (per rank, whole): torch / Python / NumPy RNG states and the resumable sampler's data
+  position (the epoch's global order and how much of it all ranks consumed).
 
 When the checkpoint directory already holds a committed checkpoint, the run resumes from the
 newest one: same weights, optimizer moments, LR schedule, RNG streams and the exact sample where
 the interrupted epoch stopped, so an uninterrupted run and a killed-then-resumed run end with
-bitwise-identical weights.
+bitwise-identical weights, on 2 ranks or more. Resumed on another number of ranks, the state is
+the same and the rest of the interrupted epoch is re-split among the ranks, each sample once; the
+training after it sums other partial gradients and is not the uninterrupted run's, bit for bit.
 
 Launch with torchrun::
 
@@ -45,7 +48,7 @@ import random
 import signal
 import sys
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,13 +56,14 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 try:
     from ckpt_engine import Checkpointer, DDPBucketOrder, TorchDistComm
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from ckpt_engine import Checkpointer, DDPBucketOrder, TorchDistComm
+from ckpt_engine.training.resumable import ResumableSampler
 
 SEQ = 64
 SEED = 1234
@@ -105,30 +109,13 @@ class CharWindows(Dataset):
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         start = i * self.stride + random.randrange(self.jitter)
         chunk = self.data[start:start + SEQ + 1]
         x, y = chunk[:-1].clone(), chunk[1:]
         flip = torch.from_numpy(np.random.random_sample(SEQ) < self.noise)
         x[flip] = torch.from_numpy(np.random.randint(0, len(self.chars), SEQ))[flip]
-        return x, y
-
-
-class SkipFirst(Sampler[int]):
-    """Yields the wrapped sampler's indices from position ``skip`` on: resumes inside an epoch
-    without fetching (and so without drawing augmentation randomness for) consumed samples."""
-
-    def __init__(self, sampler: DistributedSampler, skip: int) -> None:
-        self.sampler, self.skip = sampler, skip
-
-    def __iter__(self) -> Iterator[int]:
-        it = iter(self.sampler)
-        for _ in range(self.skip):
-            next(it)
-        return it
-
-    def __len__(self) -> int:
-        return len(self.sampler) - self.skip
+        return x, y, i  # the window's id: --record writes which samples each step trained on
 
 
 # ---- model: a 2-layer pre-norm GPT-style character LM ---------------------------------------------
@@ -178,10 +165,10 @@ class CharTransformer(nn.Module):
 
 # ---- checkpoint helpers ---------------------------------------------------------------------------
 
-def rng_snapshot(batch_in_epoch: int) -> dict[str, Any]:
-    """This rank's ``local``: RNG streams and data position (plain values and tensors only)."""
+def rng_snapshot(data: dict[str, Any]) -> dict[str, Any]:
+    """This rank's ``local``: RNG streams and the sampler's data position (plain values and tensors only)."""
     return {"torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
-            "numpy_rng": np.random.get_state(), "batch_in_epoch": batch_in_epoch}
+            "numpy_rng": np.random.get_state(), "data": data}
 
 
 def rng_restore(local: dict[str, Any]) -> None:
@@ -237,7 +224,14 @@ def main(argv: list[str] | None = None) -> int:
     model = CharTransformer(len(ds.chars))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=args.steps, pct_start=0.2)
-    sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=SEED, drop_last=True)
+    # Resumable: the position is the epoch's global order and how much of it all ranks consumed, so a
+    # resume continues at the next unseen sample, also on another number of ranks (the rest re-split).
+    sampler = ResumableSampler(DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=SEED,
+                                                  drop_last=True), batch_size=args.batch_size)
+    # A dedicated generator: a DataLoader draws a seed per iterator, and drawing it from the
+    # global torch RNG would shift the dropout stream differently in a resumed run.
+    loader = DataLoader(ds, batch_size=args.batch_size, sampler=sampler, drop_last=True,
+                        generator=torch.Generator().manual_seed(SEED))
     per_epoch = len(sampler) // args.batch_size
     # Per-rank streams for dropout and augmentation (ranks must not share masks or noise).
     torch.manual_seed(SEED + 1 + rank)
@@ -253,48 +247,46 @@ def main(argv: list[str] | None = None) -> int:
     # resumed process reduces (and on more than 2 ranks rounds) exactly as the uninterrupted run.
     ddp = DDP(model)
     buckets = DDPBucketOrder(ddp)
-    step, epoch, skip, resumed_from, restore_s = 0, 0, 0, None, None
+    if args.record:
+        os.makedirs(args.record, exist_ok=True)
+    step, epoch, resumed_from, restore_s = 0, 0, None, None
     if ck.latest_step() is not None:
         t0 = time.perf_counter()
-        state = ck.load()
-        local = ck.load_local()
+        restored = ck.restore()  # every rank: the newest checkpoint every rank can read, verified
         restore_s = time.perf_counter() - t0
+        state = restored.state
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         buckets.load_state_dict(state.get("ddp"))  # every rank: one zero-valued warm-up step
-        step, epoch, skip = state["step"], state["epoch"], local["batch_in_epoch"]
-        rng_restore(local)
-        resumed_from = step
-        log(f"RESUMED from committed checkpoint at step {step} (epoch {epoch}, "
-            f"{skip}/{per_epoch} batches of it already consumed; RNG streams restored per rank; "
-            f"read + verified in {restore_s * 1e3:.1f} ms)")
-        if skip >= per_epoch:
-            epoch, skip = epoch + 1, 0
+        on_start = None
+        if restored.local is not None:  # None on a rank that had no writer (more ranks than before)
+            rng_restore(restored.local)
+            # The DataLoader draws its seed when the resumed iteration starts: put the RNG back after.
+            on_start = lambda: rng_restore(restored.local)  # noqa: E731
+        epoch, done = sampler.resume_at(restored.first["data"], on_start)  # the same on every rank
+        step = resumed_from = restored.step
+        log(f"RESUMED from committed checkpoint at step {step} on {world} rank(s), written by "
+            f"{restored.manifest.world_size} (epoch {epoch}, {done} of its samples already consumed; RNG "
+            f"streams restored per rank; read + verified in {restore_s * 1e3:.1f} ms)")
+        if args.record:  # the state as restored, to compare with the checkpoint's writer
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step},
+                       os.path.join(args.record, f"restored-rank{rank}.pt"))
     else:
         log(f"fresh start: {sum(p.numel() for p in model.parameters()):,} parameters, corpus {len(corpus):,} chars, "
             f"vocab {len(ds.chars)}, {len(ds)} windows, {per_epoch} steps/epoch x {world} ranks x {args.batch_size}")
 
-    # A dedicated generator: a DataLoader draws a seed per iterator, and drawing it from the
-    # global torch RNG would shift the dropout stream differently in a resumed run.
-    loader_gen = torch.Generator().manual_seed(SEED)
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     step_times: list[float] = []
     reported = 0
     t_start = time.perf_counter()
     loss = torch.tensor(float("nan"))
-    if args.record:
-        os.makedirs(args.record, exist_ok=True)
     seen = open(os.path.join(args.record, f"seen-rank{rank}.jsonl"), "a") if args.record else None
     while step < args.steps:
         sampler.set_epoch(epoch)
-        order = SkipFirst(sampler, skip * args.batch_size)
-        loader = DataLoader(ds, batch_size=args.batch_size, sampler=order, drop_last=True, generator=loader_gen)
-        ids = list(order) if seen else []  # the DistributedSampler's order depends on (seed, epoch) only
-        for i, (x, y) in enumerate(loader, start=skip):
+        for x, y, ids in loader:
             if seen:
-                first = (i - skip) * args.batch_size
-                seen.write(json.dumps({"step": step + 1, "epoch": epoch, "ids": ids[first:first + args.batch_size]}) + "\n")
+                seen.write(json.dumps({"step": step + 1, "epoch": epoch, "ids": ids.tolist()}) + "\n")
                 seen.flush()
             t0 = time.perf_counter()
             logits = ddp(x)
@@ -304,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             sched.step()
+            sampler.note_step()
             step += 1
             step_times.append(time.perf_counter() - t0)
             if step % 10 == 0:
@@ -311,8 +304,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"lr {sched.get_last_lr()[0]:.2e}")
             if args.every and step % args.every == 0:
                 state = {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                         "scheduler": sched.state_dict(), "step": step, "epoch": epoch, "ddp": buckets.state_dict()}
-                ck.save(state, step, local=rng_snapshot(i + 1))
+                         "scheduler": sched.state_dict(), "step": step, "ddp": buckets.state_dict()}
+                ck.save(state, step, local=rng_snapshot(sampler.data_position()))
             while reported < len(ck.records) and (ck.records[reported].committed or ck.records[reported].skipped):
                 log(fmt_record(ck.records[reported]))
                 reported += 1
@@ -321,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                 os.kill(os.getpid(), signal.SIGKILL)
             if step >= args.steps:
                 break
-        epoch, skip = epoch + 1, 0
+        epoch += 1
 
     train_s = time.perf_counter() - t_start
     if seen:

@@ -89,12 +89,17 @@ def test_a_checkpoint_without_the_order_is_said_once_naming_the_setting_that_mak
         assert "find_unused_parameters=True" in warning and "ddp_find_unused_parameters_true" in warning
 
 
-def test_plain_ddp_with_default_arguments_on_2_nodes_of_2_ranks_resumes_bit_identical(tmp_path):
+def test_plain_ddp_with_default_arguments_on_2_nodes_of_2_ranks_resumes_bit_identical_and_on_2_ranks_once(tmp_path):
     """examples/plain_train.py (DDP(model), AdamW, a checkpoint every 5 steps) under ``torchrun --nnodes 2
-    --nproc-per-node 2``: every rank SIGKILLed after step 25, the same command again; at step 40 every
-    rank's model and optimizer state equal the uninterrupted run's, and each rank saw each of its samples
-    once."""
-    common = ("--steps", "40", "--every", "5")
+    --nproc-per-node 2``, every rank SIGKILLed after step 25:
+
+    * the same command again: at step 40 every rank's model and optimizer state equal the uninterrupted
+      run's, and each rank trained on the same samples, each once;
+    * resumed on one node of 2 ranks instead: the state restored is the uninterrupted run's at that step
+      on both ranks, the interrupted epoch goes on with each sample once (every sample the uninterrupted
+      epoch trained on among them), and the training after it, summed over 2 ranks, is not the 4-rank run's.
+    """
+    common = ("--steps", "40", "--every", "5", "--keep-last", "8")
     torchrun_nodes(2, 2, "examples/plain_train.py", *common, "--dir", str(tmp_path / "ref-ck"),
                    "--record", str(tmp_path / "ref"))
     out = torchrun_nodes(2, 2, "examples/plain_train.py", *common, "--dir", str(tmp_path / "ck"),
@@ -102,15 +107,36 @@ def test_plain_ddp_with_default_arguments_on_2_nodes_of_2_ranks_resumes_bit_iden
     assert "simulated crash: SIGKILL right after step 25" in out, out[-3000:]
     restored = Checkpointer(str(tmp_path / "ck"), readonly=True).latest_step()
     assert restored in (20, 25)
+    shutil.copytree(tmp_path / "ck", tmp_path / "ck-on-2")
     out = torchrun_nodes(2, 2, "examples/plain_train.py", *common, "--dir", str(tmp_path / "ck"),
                          "--record", str(tmp_path / "run"))[0]
-    assert f"RESUMED from committed checkpoint at step {restored}" in out, out[-3000:]
+    assert f"RESUMED from committed checkpoint at step {restored} on 4 rank(s)" in out, out[-3000:]
     for rank in range(WORLD):
         a = torch.load(tmp_path / "ref" / f"final-rank{rank}.pt", weights_only=True)
         b = torch.load(tmp_path / "run" / f"final-rank{rank}.pt", weights_only=True)
         assert_bitwise(a, b)
         _once(_rows(tmp_path / "ref" / f"seen-rank{rank}.jsonl"), _rows(tmp_path / "run" / f"seen-rank{rank}.jsonl"),
               restored)
+
+    out = torchrun_nodes(1, 2, "examples/plain_train.py", *common, "--dir", str(tmp_path / "ck-on-2"),
+                         "--record", str(tmp_path / "on2"))[0]
+    assert f"RESUMED from committed checkpoint at step {restored} on 2 rank(s), written by 4" in out, out[-3000:]
+    saved = Checkpointer(str(tmp_path / "ref-ck"), readonly=True).load(step=restored)
+    for rank in range(2):
+        got = torch.load(tmp_path / "on2" / f"restored-rank{rank}.pt", weights_only=True)
+        assert got["step"] == restored
+        assert_bitwise({"model": saved["model"], "optimizer": saved["optimizer"]}, got)
+    ref_rows = [_rows(tmp_path / "ref" / f"seen-rank{rank}.jsonl") for rank in range(WORLD)]
+    epoch = next(row["epoch"] for row in ref_rows[0] if row["step"] == restored)  # the interrupted one
+    before = [i for rows in ref_rows for row in rows if row["epoch"] == epoch and row["step"] <= restored
+              for i in row["ids"]]  # the same as the killed run's (checked above)
+    after = [i for rank in range(2) for row in _rows(tmp_path / "on2" / f"seen-rank{rank}.jsonl")
+             if row["epoch"] == epoch for i in row["ids"]]
+    assert after and len(set(before + after)) == len(before + after)  # each sample of the interrupted epoch once
+    assert {i for rows in ref_rows for row in rows if row["epoch"] == epoch for i in row["ids"]} <= set(before + after)
+    final = torch.load(tmp_path / "on2" / "final-rank0.pt", weights_only=True)
+    reference = torch.load(tmp_path / "ref" / "final-rank0.pt", weights_only=True)
+    assert any(not torch.equal(final["model"][k], v) for k, v in reference["model"].items())
 
 
 @pytest.mark.timeout(900)  # four fits, 14 processes that import Lightning
