@@ -1,0 +1,253 @@
+"""The cost of Horovod's deterministic reduction (``deterministic_reduction``: tensor fusion off), 4 ranks.
+
+What it measures. ``horovodrun -np 4 --gloo`` jobs of this file (``--job``), one per contender and round,
+the contenders' order alternating from round to round:
+
+- ``fused``: ``hvd.init()``, Horovod's defaults (fusion buffers of up to 128 MiB, filled by 1 ms cycles);
+- ``exact``: ``horovod_ckpt.init(deterministic_reduction=True)`` (``HOROVOD_FUSION_THRESHOLD=0``: every
+  tensor reduced alone).
+
+Each job builds an MLP (``--shapes``: blocks x width; a block is ``Linear(width, width)`` +
+``LayerNorm``, a tensor of width² elements and three of width; the default shapes hold about the same
+bytes in 64 tensors, then in 16), ``hvd.DistributedOptimizer`` over SGD with momentum, and a
+``HorovodCheckpointer`` that restores a checkpoint a first job of as many ranks wrote, then trains
+``--warmup`` untimed and ``--steps`` timed steps on per-rank random batches. Figures of rank 0 (every
+step ends in the reduction, which waits for the slowest rank): ``init_s`` (the call that starts
+Horovod), ``restore_s`` (``ck.restore()``), ``first_step_s`` (the step after it: Horovod negotiates
+each tensor once), their sum ``restart_s``, and ``step_ms``, the median timed step. Each round pairs
+the two contenders; the report gives the medians over rounds and the median of the per-round
+differences and ratios (exact - fused, exact / fused). Only ratios within a round mean much on a
+shared machine. On a 2-core machine 4 ranks share 2 cores, so every message of a reduction waits for
+a context switch: a cost per tensor far above that of a rank per core, which ``--ranks 2`` shows (on 2
+ranks the reduction is exact either way: only the cost is of interest there).
+
+Usage::
+
+    .venv/bin/python benchmarks/bench_exact_horovod.py              # 2 models x 5 rounds, ~15 min on 2 cores
+    .venv/bin/python benchmarks/bench_exact_horovod.py --ranks 2 --rounds 3 --shapes 16x512   # a core per rank
+    .venv/bin/python benchmarks/bench_exact_horovod.py --rounds 1 --steps 10 --shapes 4x256   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from _common import CpuLoad, fmt, pct, write_report  # noqa: E402
+
+CONTENDERS = ("fused", "exact")
+
+
+# ---- one rank of a job -------------------------------------------------------------------------------
+def rank_job(a: argparse.Namespace) -> None:
+    """One rank: start Horovod as the contender does, restore, train; rank 0 prints its figures as JSON."""
+    import torch
+
+    torch.set_num_threads(1)
+    import horovod.torch as hvd
+
+    import horovod_ckpt
+
+    init_s, _ = _timed(lambda: horovod_ckpt.init(deterministic_reduction=True) if a.contender == "exact"
+                       else hvd.init())
+    torch.manual_seed(0)
+    model = mlp(a.layers, a.width)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    ck = horovod_ckpt.HorovodCheckpointer(a.ckpt_dir, model=model, optimizer=optimizer, keep_last=None,
+                                          final_checkpoint=a.prepare, save_on_sigterm=False)
+    restore_s, _ = _timed(ck.restore)
+    g = torch.Generator().manual_seed(hvd.rank())
+    batch = [(torch.randn(a.batch, a.width, generator=g), torch.randn(a.batch, a.width, generator=g))
+             for _ in range(4)]
+
+    def step(i: int) -> None:
+        x, y = batch[i % len(batch)]
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+
+    first_step_s, _ = _timed(lambda: step(0))
+    for i in range(a.warmup):
+        step(i + 1)
+    times = [_timed(lambda i=i: step(i))[0] for i in range(a.steps)]
+    if a.prepare:
+        ck.after_step()
+    ck.close()
+    if hvd.rank() == 0:
+        print("FIGURES " + json.dumps({"init_s": init_s, "restore_s": restore_s, "first_step_s": first_step_s,
+                                       "restart_s": init_s + restore_s + first_step_s,
+                                       "step_ms": statistics.median(times) * 1e3,
+                                       "tensors": len(list(model.parameters())),
+                                       "mb": sum(p.numel() for p in model.parameters()) * 4 / 1e6}), flush=True)
+
+
+def mlp(layers: int, width: int) -> Any:
+    """``layers`` blocks of ``Linear(width, width)`` + ``LayerNorm(width)`` + ReLU."""
+    import torch.nn as nn
+
+    return nn.Sequential(*(m for _ in range(layers) for m in (nn.Linear(width, width), nn.LayerNorm(width), nn.ReLU())))
+
+
+def _timed(fn: Any) -> tuple[float, Any]:
+    start = time.perf_counter()
+    value = fn()
+    return time.perf_counter() - start, value
+
+
+# ---- the driver ----------------------------------------------------------------------------------------
+Shape = tuple[int, int]
+"""(blocks, width) of the MLP."""
+FIGURES = ("step_ms", "restart_s", "init_s", "restore_s", "first_step_s")
+
+
+def launch(a: argparse.Namespace, shape: Shape, contender: str, ckpt_dir: str,
+           prepare: bool = False) -> dict[str, float]:
+    """One ``horovodrun -np <ranks> --gloo`` job of ``contender``; rank 0's figures and the foreign load."""
+    cmd = [os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np", str(a.ranks), "-H",
+           f"localhost:{a.ranks}", "--gloo", sys.executable, os.path.abspath(__file__), "--job", "--contender",
+           contender, "--ckpt-dir", ckpt_dir, "--layers", str(shape[0]), "--width", str(shape[1]),
+           "--batch", str(a.batch), "--warmup", str(a.warmup), "--steps", str(a.steps),
+           *(["--prepare"] if prepare else [])]
+    env = {k: v for k, v in os.environ.items() if k != "HOROVOD_FUSION_THRESHOLD"}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}")
+    load = CpuLoad()
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    foreign = load.foreign_cores()
+    lines = [x for x in done.stdout.splitlines() if "FIGURES " in x]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{contender} job failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
+    return {**json.loads(lines[0].split("FIGURES ", 1)[1]), "foreign_cores": foreign}
+
+
+def summarize(rounds: list[dict[str, dict[str, float]]]) -> dict[str, Any]:
+    """Per figure: each contender's median over rounds, the median per-round difference and ratio."""
+    out: dict[str, Any] = {}
+    for key in FIGURES:
+        fused = [r["fused"][key] for r in rounds]
+        exact = [r["exact"][key] for r in rounds]
+        out[key] = {"fused": statistics.median(fused), "exact": statistics.median(exact),
+                    "diff": statistics.median([e - f for e, f in zip(exact, fused)]),
+                    "ratio": statistics.median([e / f for e, f in zip(exact, fused) if f > 0])}
+    return out
+
+
+def label(shape: Shape, rounds: list[dict[str, dict[str, float]]]) -> str:
+    """The model of a shape, as the table names it."""
+    first = rounds[0]["fused"]
+    return f"{shape[0]} × {shape[1]}: {first['tensors']:.0f} tensors, {first['mb']:.1f} MB"
+
+
+def markdown(by_shape: dict[Shape, dict[str, Any]], a: argparse.Namespace, run: str) -> str:
+    """The report: one paired table over the shapes, the headline lines, the per-round step ratios."""
+    lines = [f"# bench_exact_horovod: tensor fusion off (deterministic_reduction) against Horovod's default, "
+             f"{a.ranks} ranks", "", run, "",
+             f"MLPs of blocks × width (Linear(width, width) + LayerNorm per block), SGD with momentum, {a.batch} "
+             f"samples per rank and step; median of {a.steps} timed steps after {a.warmup}; {a.rounds} rounds per "
+             "model, the contenders' order alternating; one horovodrun job per contender and round:", "",
+             "| model | figure (rank 0) | fused (median) | exact (median) | exact - fused (median of rounds) "
+             "| exact / fused (median of rounds) |", "|---|---|---:|---:|---:|---:|"]
+    for shape, done in by_shape.items():
+        s = done["summary"]
+        for key in FIGURES:
+            r, unit = s[key], "ms" if key.endswith("_ms") else "s"
+            spec = "{:.1f}" if unit == "ms" else "{:.3f}"
+            lines.append(f"| {label(shape, done['rounds'])} | {key.rsplit('_', 1)[0].replace('_', ' ')} {unit} "
+                         f"| {fmt(r['fused'], spec)} | {fmt(r['exact'], spec)} | {fmt(r['diff'], '{:+' + spec[2:])} "
+                         f"| {fmt(r['ratio'], '{:.2f}')} |")
+    lines.append("")
+    price = (f"the price of bit-identical resume on {a.ranks} ranks" if a.ranks > 2 else
+             f"what fusion off costs with a core per rank (on {a.ranks} ranks the reduction is exact either way)")
+    for shape, done in by_shape.items():
+        step, restart = done["summary"]["step_ms"], done["summary"]["restart_s"]
+        lines.append(f"- {label(shape, done['rounds'])}: per step exact / fused {step['ratio']:.2f} × "
+                     f"({pct(step['ratio'] - 1)}, {step['diff']:+.1f} ms); restart (start Horovod + restore + first "
+                     f"step) {restart['diff']:+.3f} s ({restart['ratio']:.2f} ×) → {price}")
+    lines.append("")
+    for shape, done in by_shape.items():
+        rounds = done["rounds"]
+        ratios = ", ".join(f"{r['exact']['step_ms'] / r['fused']['step_ms']:.2f}" for r in rounds)
+        loads = ", ".join(f"{max(r[c]['foreign_cores'] for c in CONTENDERS):.1f}" for r in rounds)
+        lines.append(f"{label(shape, rounds)}: per-round step ratios {ratios}; other processes' load per round "
+                     f"(cores, the more loaded job of the pair) {loads}.")
+    lines += ["", "Notes: rank 0's figures; a step ends in the reduction, so it waits for the slowest rank. "
+              "benchmarks/README.md, section bench_exact_horovod.", ""]
+    return "\n".join(lines)
+
+
+def run_line() -> str:
+    """``Run <date>, <machine>, commit <hash>`` for the report."""
+    import horovod
+    import torch
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    return (f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()}-core {platform.machine()} "
+            f"VM shared with other work (torch {torch.__version__}, Horovod {horovod.__version__}, Gloo), "
+            f"commit {commit.strip() or '?'}.")
+
+
+def parse_shapes(text: str) -> list[Shape]:
+    """``"16x512,4x1024"`` -> ``[(16, 512), (4, 1024)]``."""
+    try:
+        return [(int(b), int(w)) for b, w in (part.split("x") for part in text.split(","))]
+    except ValueError as e:
+        raise SystemExit(f"--shapes {text!r}: expected blocks x width, comma-separated, e.g. 16x512,4x1024 ({e})")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--ranks", type=int, default=4, help="2: the cost with a core per rank on a 2-core machine "
+                   "(where the reduction is exact either way)")
+    p.add_argument("--shapes", default="16x512,4x1024",
+                   help="MLPs as blocks x width: about the same bytes in 4 times more tensors, then fewer")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--out", default=os.path.join(HERE, "out"))
+    p.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
+    p.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--contender", choices=CONTENDERS, default="fused", help=argparse.SUPPRESS)
+    p.add_argument("--ckpt-dir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--layers", type=int, default=16, help=argparse.SUPPRESS)
+    p.add_argument("--width", type=int, default=512, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.job:
+        rank_job(a)
+        return
+    workdir = a.dir or tempfile.mkdtemp(prefix="bench_exact_horovod-")
+    by_shape: dict[Shape, dict[str, Any]] = {}
+    try:
+        for shape in parse_shapes(a.shapes):
+            ckpt_dir = os.path.join(workdir, f"ck-{shape[0]}x{shape[1]}")
+            launch(a, shape, "fused", ckpt_dir, prepare=True)  # the checkpoint this shape's jobs restore
+            rounds = []
+            for i in range(a.rounds):
+                order = CONTENDERS if i % 2 == 0 else CONTENDERS[::-1]
+                rounds.append({c: launch(a, shape, c, ckpt_dir) for c in order})
+                print(f"{shape[0]}x{shape[1]} round {i + 1}: " + ", ".join(
+                    f"{c} step {rounds[-1][c]['step_ms']:.1f} ms, restart {rounds[-1][c]['restart_s']:.2f} s"
+                    for c in order), flush=True)
+            by_shape[shape] = {"summary": summarize(rounds), "rounds": rounds}
+    finally:
+        if a.dir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    write_report(a.out, "bench_exact_horovod", markdown(by_shape, a, run_line()),
+                 {"shapes": {f"{b}x{w}": v for (b, w), v in by_shape.items()}, "args": vars(a)})
+
+
+if __name__ == "__main__":
+    main()
