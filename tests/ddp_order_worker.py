@@ -96,11 +96,12 @@ def case(kwargs: dict, accum: int, at: int, replay: bool | None, rank: int) -> d
     train(ddp2, opt2, at, STEPS, accum, rank)
     differ = sum(int((a != b).sum()) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
     differ += sum(int((torch.as_tensor(a) != torch.as_tensor(b)).sum())
-                  for s, s2 in zip(opt.state_dict()["state"].values(), opt2.state_dict()["state"].values())
-                  for a, b in zip(s.values(), s2.values()))
+                  for kept, again in zip(opt.state_dict()["state"].values(), opt2.state_dict()["state"].values())
+                  for a, b in zip(kept.values(), again.values()))
+    hooks_left = sum(p._backward_hooks is not None for p in [*model.parameters(), *model2.parameters()])
     del ddp, ddp2
     return {"replayed": replayed, "differ": differ, "untouched": untouched, "warnings": caught,
-            "order": saved["order"], "recorded_again": order2.state_dict()}
+            "order": saved["order"], "recorded_again": order2.state_dict(), "hooks_left": hooks_left}
 
 
 def main() -> None:

@@ -57,14 +57,15 @@ def order_cases(tmp_path_factory) -> dict:
 def test_a_replayed_order_makes_a_restarted_ddp_reduce_as_the_uninterrupted_one(order_cases, case):
     """A new DDP (a restarted process) that replays the order recorded before its checkpoint ends with the
     uninterrupted run's model and optimizer state on every rank; the warm-up left the restored
-    parameters, buffers (BatchNorm), RNG and gradients as they were, and the order recorded again is
-    the one replayed."""
+    parameters, buffers (BatchNorm), RNG and gradients as they were, the order recorded again is the
+    one replayed, and once recorded no hook of ours is left on any parameter (nothing per step)."""
     for rank, cases in order_cases.items():
         got = cases[case]
         assert got["replayed"] is True and got["warnings"] == [], (rank, got)
         assert got["untouched"], (rank, case)
         assert got["differ"] == 0, (rank, case, got["differ"])
         assert got["recorded_again"]["ready"] == got["order"]["ready"] and len(got["order"]["ready"]) == 11  # every parameter
+        assert got["hooks_left"] == 0
 
 
 def test_without_the_replay_four_ranks_drift_apart_so_the_cases_above_can_tell(order_cases):

@@ -23,7 +23,7 @@ What :class:`DDPBucketOrder` does:
   dropped (``None``, as after a restart). The warm-up reads only the parameters: no RNG draw, no
   BatchNorm update, no buffer broadcast (DDP's is turned off for it), no optimizer step, so it may run
   before or after the state is restored. Its cost is one all-reduce of the gradients' size at the
-  restart and nothing per step (the recording hooks are removed after the first backward):
+  restart and nothing per step (the recording hooks are cleared after the first backward):
   ``benchmarks/bench_exact_ddp.py``.
 
 Order of calls, every rank, training thread::
@@ -42,6 +42,7 @@ never rebuilds its buckets, and a resume is exact at the cost of a graph travers
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, Mapping
 
@@ -80,7 +81,10 @@ class DDPBucketOrder:
         self._ready: list[str] = []
         self._passes = 0  # synchronised backward passes finished (a forward came after), up to _needed()
         self._in_pass = False  # a synchronised backward ran since the last forward
-        self._handles = [p.register_post_accumulate_grad_hook(self._note) for p in self._names]
+        # A gradient hook on each parameter runs when its AccumulateGrad node runs, as DDP's own hook;
+        # a parameter that had none gets its hooks cleared at remove(), leaving nothing per step.
+        self._bare = [p for p in self._names if p._backward_hooks is None]
+        self._handles = [p.register_hook(functools.partial(self._note, name)) for p, name in self._names.items()]
         self._handles.append(ddp.register_forward_pre_hook(self._next_forward))
 
     @property
@@ -133,15 +137,18 @@ class DDPBucketOrder:
         """Stop recording (idempotent; done by itself once the passes that decide DDP's buckets ran)."""
         for handle in self._handles:
             handle.remove()
-        self._handles = []
+        for p in self._bare:  # a removed handle leaves torch's hook that calls into Python per step
+            if not p._backward_hooks:
+                p._backward_hooks = None
+        self._handles, self._bare = [], []
 
     # ---- internals ---------------------------------------------------------------------------
-    def _note(self, param: torch.Tensor) -> None:
+    def _note(self, name: str, grad: torch.Tensor) -> None:
         """A gradient became ready: noted in the first synchronised backward (the one DDP records)."""
         if self.ddp.require_backward_grad_sync:
             self._in_pass = True
             if not self._passes:
-                self._ready.append(self._names[param])
+                self._ready.append(name)
 
     def _next_forward(self, module: Any, args: Any) -> None:
         """A forward: the synchronised backward before it, if any, is complete (DDP rebuilds now or,
