@@ -24,11 +24,11 @@ from typing import Any, NamedTuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SECTIONS = ("bench_save", "bench_lightning", "bench_overhead", "bench_s3", "bench_sharded", "bench_plan",
-            "bench_gpu", "bench_recovery", "bench_exact_horovod")
+            "bench_gpu", "bench_recovery", "bench_exact")
 """The benchmarks, each a ``## bench_X`` section of the README with its figures' markers."""
 NAME = re.compile(r"^(?P<family>bench_[a-z0-9_]+?)_(?P<date>\d{4}-\d{2}-\d{2})(?:_(?P<run>[\w-]+))?\.(?P<ext>json|md)$")
 VERDICT = re.compile(r"→|\*\*[0-9.]+ ?[x×]\*\*|target")
-TABLES = {"bench_s3": 2, "bench_lightning_mlp": 2, "bench_lightning_memory": 0}
+TABLES = {"bench_s3": 2, "bench_lightning_mlp": 2, "bench_lightning_memory": 0, "bench_exact_ddp": 2}
 """How many of a Markdown report's tables are its headline figures (default 1)."""
 
 
