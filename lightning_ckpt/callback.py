@@ -284,6 +284,8 @@ class AsyncShardedCheckpoint(*_lightning.bases("callbacks.Callback")):  # type: 
     def teardown(self, trainer: "Trainer", pl_module: "LightningModule", stage: str) -> None:
         self._quiet = _lightning.unsilence(self._quiet)
         if stage == "fit":
+            if self._buckets is not None:  # a fit that ended before the order was complete: no hook left behind
+                self._buckets.remove()
             self.session.close()
 
     def _consumed(self, trainer: "Trainer") -> int:

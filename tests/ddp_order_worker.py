@@ -111,6 +111,10 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     results = {name: case(*spec, rank) for name, spec in CASES.items()}
+    ddp = DDP(make())
+    DDPBucketOrder(ddp).remove()  # stopped before any backward (a fit that ended early): nothing left behind
+    results["removed_early"] = {"hooks_left": sum(p._backward_hooks is not None for p in ddp.parameters())}
+    del ddp
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     gc.collect()  # every DDP (its Reducer holds the group) gone first: docs/troubleshooting.md, a hang at exit

@@ -68,6 +68,10 @@ def test_a_replayed_order_makes_a_restarted_ddp_reduce_as_the_uninterrupted_one(
         assert got["hooks_left"] == 0
 
 
+def test_stopping_before_the_order_is_complete_leaves_no_hook(order_cases):
+    assert all(cases["removed_early"]["hooks_left"] == 0 for cases in order_cases.values())
+
+
 def test_without_the_replay_four_ranks_drift_apart_so_the_cases_above_can_tell(order_cases):
     """The same resume without the replay differs: what the cases above check is not vacuous."""
     assert all(cases["defaults_not_replayed"]["differ"] > 0 for cases in order_cases.values())
