@@ -18,6 +18,7 @@ import gc
 import json
 import os
 import sys
+import types
 import warnings
 
 import torch
@@ -114,6 +115,10 @@ def main() -> None:
     ddp = DDP(make())
     DDPBucketOrder(ddp).remove()  # stopped before any backward (a fit that ended early): nothing left behind
     results["removed_early"] = {"hooks_left": sum(p._backward_hooks is not None for p in ddp.parameters())}
+    model = make()
+    own = model.forward = types.MethodType(type(model).forward, model)  # as a wrapping library sets one
+    replayed = DDPBucketOrder(DDP(model)).load_state_dict(results["defaults"]["order"])
+    results["instance_forward"] = {"replayed": replayed, "kept": model.__dict__.get("forward") is own}
     del ddp
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)

@@ -72,6 +72,10 @@ def test_stopping_before_the_order_is_complete_leaves_no_hook(order_cases):
     assert all(cases["removed_early"]["hooks_left"] == 0 for cases in order_cases.values())
 
 
+def test_a_forward_set_on_the_module_instance_is_put_back_after_the_warm_up(order_cases):
+    assert all(cases["instance_forward"] == {"replayed": True, "kept": True} for cases in order_cases.values())
+
+
 def test_without_the_replay_four_ranks_drift_apart_so_the_cases_above_can_tell(order_cases):
     """The same resume without the replay differs: what the cases above check is not vacuous."""
     assert all(cases["defaults_not_replayed"]["differ"] > 0 for cases in order_cases.values())

@@ -108,8 +108,9 @@ class DDPBucketOrder:
 
         Nothing to do (``False``, silently): DDP never rebuilds (``find_unused_parameters=True``), the
         checkpoint was taken before any backward, or this process already ran one (its buckets
-        follow its own order, the same). Where it cannot replay it warns once (``None``: a checkpoint
-        without the order; names this model lacks) and returns ``False``."""
+        follow its own order, the same). Where it cannot replay (``state`` is ``None`` or holds no
+        order, the order names parameters this model lacks, DDP reduces in Python) it returns ``False``
+        and, on more than 2 ranks, warns once, naming the setting that makes the resume exact."""
         if not rebuilds_buckets(self.ddp) or self._passes or self._in_pass:
             return False
         ready = None if state is None else state.get("ready")
@@ -192,12 +193,16 @@ def _warm_up(ddp: DistributedDataParallel, ordered: list[torch.nn.Parameter]) ->
         return total
 
     module, sync = ddp.module, ddp.require_forward_param_sync
+    own = module.__dict__.get("forward")  # a forward set on the instance (e.g. by a wrapping library) is kept
     module.forward = synthetic  # the instance's attribute shadows the class's forward for this one call
     ddp.require_forward_param_sync = False  # no buffer broadcast: BatchNorm statistics stay as restored
     try:
         ddp().backward()
     finally:
-        del module.forward
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
         ddp.require_forward_param_sync = sync
         for p in params:
             p.grad = held.get(p)
