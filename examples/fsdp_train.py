@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     loss = torch.tensor(float("nan"))
     while step < args.steps:
         sampler.set_epoch(epoch)
-        for x, y in loader:
+        for x, y, _ids in loader:  # CharWindows yields each window's id too (plain_train.py --record)
             logits = model(x)
             loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
             opt.zero_grad(set_to_none=True)
