@@ -5,7 +5,6 @@ get to run holds nothing up."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -125,20 +124,23 @@ def test_a_failed_read_stops_the_other_threads_at_their_current_run(tmp_path, mo
     ck = Checkpointer(str(tmp_path / "ck"), read_threads=threads)
     ck.save(state, 1)
     ck.wait()
-    calls, lock, failed = [0], threading.Lock(), threading.Event()
-    read_steps = LocalReader.read_steps
+    calls, lock, stopped = [0], threading.Lock(), threading.Event()
+    read_steps, stop = LocalReader.read_steps, Shares.stop
+
+    def stopping(self):
+        stop(self)
+        stopped.set()
 
     def steps(self, offset, requests, landed):
         with lock:
             calls[0] += 1
             first = calls[0] == 1
         if first:
-            failed.set()
             raise OSError("disk went away")
-        failed.wait(5)
-        time.sleep(0.05)  # the failed thread has stopped the claims by now
+        assert stopped.wait(60), "the failed thread never stopped the claims"
         read_steps(self, offset, requests, landed)
 
+    monkeypatch.setattr(Shares, "stop", stopping)
     monkeypatch.setattr(LocalReader, "read_steps", steps)
     monkeypatch.setattr(LocalReader, "run_max", 1 << 20)  # a run per piece: a share is many runs
     with pytest.raises(OSError, match="disk went away"):

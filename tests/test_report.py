@@ -182,23 +182,38 @@ def test_bench_save_times_nothing_while_a_retention_still_runs_and_brackets_each
     assert len([e for e in log if e == "copy_threads"]) == 8
 
 
+class FakeClock:
+    """A ``time`` module stand-in for timing code under test: ``sleep`` advances ``perf_counter`` at once,
+    so what a function measures is exactly the sleeps it contains, whatever the machine's load."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def test_interleaved_rounds_run_a_contenders_settling_untimed_before_the_next(monkeypatch):
     """bench_s3 runs its contenders in turn; ours returns the wait for its retention (the older
     checkpoint's objects deleted), which must run before the next contender and count for nobody."""
     monkeypatch.syspath_prepend(BENCHMARKS)
-    import time
-
     import bench_s3
 
+    clock = FakeClock()
+    monkeypatch.setattr(bench_s3, "time", clock)
     log: list[str] = []
 
     def ours(rep):
         log.append("ours")
-        return lambda: (time.sleep(0.2), log.append("settled"))
+        clock.sleep(0.01)
+        return lambda: (clock.sleep(0.2), log.append("settled"))
 
-    times = bench_s3.interleaved({"ours": ours, "raw": lambda rep: log.append("raw")}, reps=2)
+    times = bench_s3.interleaved({"ours": ours, "raw": lambda rep: (clock.sleep(0.03), log.append("raw"))}, reps=2)
     assert log == ["ours", "settled", "raw", "ours", "settled", "raw"]
-    assert max(times["ours"] + times["raw"]) < 0.1, times
+    assert times == {"ours": [pytest.approx(0.01)] * 2, "raw": [pytest.approx(0.03)] * 2}, times
 
 
 def test_timed_save_times_stall_and_commit_and_waits_for_the_retention_untimed(monkeypatch):
@@ -206,25 +221,26 @@ def test_timed_save_times_stall_and_commit_and_waits_for_the_retention_untimed(m
     save() + wait() the time to committed, and the retention (wait(retention=True)) is over when it
     returns but in neither figure."""
     monkeypatch.syspath_prepend(BENCHMARKS)
-    import time
+    import _common
 
-    from _common import timed_save
+    clock = FakeClock()
+    monkeypatch.setattr(_common, "time", clock)
 
     class Ck:  # what timed_save uses of a Checkpointer, each step taking a known time
         log: list[str] = []
 
         def save(self, state, step, **kw):
             self.log.append(f"save {step} {kw}")
-            time.sleep(0.05)
+            clock.sleep(0.05)
             return "handle"
 
         def wait(self, retention=False):
             self.log.append("retention" if retention else "commit")
-            time.sleep(0.5 if retention else 0.1)
+            clock.sleep(0.5 if retention else 0.1)
 
-    stall, total, handle = timed_save(Ck(), {}, 3, defer=True)
+    stall, total, handle = _common.timed_save(Ck(), {}, 3, defer=True)
     assert Ck.log == ["save 3 {'defer': True}", "commit", "retention"] and handle == "handle"
-    assert 0.05 <= stall < 0.15 <= total < 0.4, (stall, total)
+    assert (stall, total) == (pytest.approx(0.05), pytest.approx(0.15))
 
 
 def test_pooling_runs_takes_every_pair_of_every_run_as_the_slowest_rank_s_times(monkeypatch):
