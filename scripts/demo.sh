@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-bash scripts/setup_env.sh
+bash scripts/setup_env.sh demo   # torch, Lightning and the package: nothing the tests alone need
 exec .venv/bin/python examples/demo.py "$@"

@@ -1,18 +1,27 @@
 #!/usr/bin/env bash
-# Create or refresh the project virtualenv (.venv, Python 3.11) with the
-# CPU build of torch and every extra the tests, demo and benchmarks need.
+# Create or refresh the project virtualenv (.venv, Python 3.11) with the CPU build of torch.
 #
-# Idempotent: a stamp in .venv records a hash of the files that decide what
-# gets installed; when it matches, installing is skipped and only the quick
-# sanity checks at the bottom run, so a re-run takes a few seconds.
+#   bash scripts/setup_env.sh        # everything the tests and benchmarks need (scripts/test.sh):
+#                                    # every extra, Horovod built from source, azurite
+#   bash scripts/setup_env.sh demo   # what the demo needs (scripts/demo.sh): torch, Lightning, the package
+#
+# Idempotent: a stamp per profile in .venv records a hash of the files that decide what gets
+# installed; when it matches (the full profile's stamp also serves the demo), installing is skipped
+# and only the quick sanity checks at the bottom run, so a re-run takes a few seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+PROFILE=${1:-full}
+case $PROFILE in
+    full) EXTRAS=lightning,s3,test,bench,docs ;;
+    demo) EXTRAS=lightning ;;
+    *) echo "setup_env: unknown profile '$PROFILE' (full or demo)" >&2; exit 2 ;;
+esac
 TORCH_VERSION=2.13.0   # the CPU wheel this machine holds in /opt/wheels
-EXTRAS=lightning,s3,test,bench,docs
 VENV=.venv
 PY=$VENV/bin/python
-STAMP=$VENV/.setup-stamp
+STAMP=$VENV/.setup-stamp-$PROFILE
+FULL_STAMP=$VENV/.setup-stamp-full
 CONSTRAINTS=$VENV/constraints.txt
 
 # pip runs quietly; also drop the harmless "Location ... is ignored" warnings
@@ -29,7 +38,7 @@ if [[ ! -x $PY ]]; then
 fi
 
 want=$(cat pyproject.toml setup.cfg scripts/setup_env.sh | sha256sum | cut -d' ' -f1)
-if [[ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]]; then
+if [[ "$(cat "$STAMP" 2>/dev/null)" != "$want" && "$(cat "$FULL_STAMP" 2>/dev/null)" != "$want" ]]; then
     rm -f "$STAMP"
     echo "setup_env: installing into $VENV (about a minute when fresh)"
     pip install -q --upgrade pip
@@ -47,10 +56,14 @@ if [[ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]]; then
     # through: if it is outside aiobotocore's declared range, add that range
     # as a constraint and resolve again so pip moves botocore and boto3 together.
     botocore_req=$("$PY" - <<'EOF'
-from importlib.metadata import requires, version
+from importlib.metadata import PackageNotFoundError, requires, version
 from packaging.requirements import Requirement
 
-for line in requires("aiobotocore") or []:
+try:
+    lines = requires("aiobotocore") or []
+except PackageNotFoundError:  # the demo profile installs no S3 client
+    lines = []
+for line in lines:
     req = Requirement(line)
     if req.name == "botocore" and req.marker is None:
         if not req.specifier.contains(version("botocore"), prereleases=True):
@@ -64,17 +77,19 @@ EOF
     fi
 fi
 
-# Horovod (the horovod_ckpt front end and its tests) has no wheel that builds
-# against this torch: scripts/install_horovod.sh builds one (about five minutes
-# on a fresh machine), caches it under ~/.cache/ckpt-suite and installs it. It
-# is idempotent and returns in seconds when horovod.torch already imports, so
-# it runs every time (a venv refreshed by hand is repaired too).
-VENV=$VENV bash scripts/install_horovod.sh
+if [[ $PROFILE == full ]]; then
+    # Horovod (the horovod_ckpt front end and its tests) has no wheel that builds
+    # against this torch: scripts/install_horovod.sh builds one (about five minutes
+    # on a fresh machine), caches it under ~/.cache/ckpt-suite and installs it. It
+    # is idempotent and returns in seconds when horovod.torch already imports, so
+    # it runs every time (a venv refreshed by hand is repaired too).
+    VENV=$VENV bash scripts/install_horovod.sh
 
-# azurite (Azure's blob emulator, from the npm registry) for the storage conformance
-# tests: into $VENV/azurite, with Node.js from Debian if it is missing. Idempotent,
-# quiet, and instant when present, so it runs every time too.
-VENV=$VENV bash scripts/install_azurite.sh
+    # azurite (Azure's blob emulator, from the npm registry) for the storage conformance
+    # tests: into $VENV/azurite, with Node.js from Debian if it is missing. Idempotent,
+    # quiet, and instant when present, so it runs every time too.
+    VENV=$VENV bash scripts/install_azurite.sh
+fi
 
 # Sanity checks, run every time (cheap).
 "$PY" -m pip --disable-pip-version-check check
@@ -85,4 +100,4 @@ if "$PY" -m pip --disable-pip-version-check list --format=freeze | grep -i '^nvi
 fi
 
 echo "$want" > "$STAMP"
-echo "setup_env: $VENV ready (torch $torch_version)"
+echo "setup_env: $VENV ready for the $PROFILE profile (torch $torch_version)"
