@@ -1,5 +1,5 @@
 """Real Lightning jobs for the tests: ``tests/lightning_worker.py`` runs, their outputs, and the
-fixture that runs every test under both Lightning distributions (shared by the test_lightning_*.py
+fixtures that choose the Lightning distribution of the jobs (shared by the test_lightning_*.py
 modules: no test module imports another)."""
 
 from __future__ import annotations
@@ -19,28 +19,36 @@ WORKER = os.path.join(os.path.dirname(__file__), "lightning_worker.py")
 FLAVOURS = ("lightning", "pytorch_lightning")
 
 
-@pytest.fixture(scope="module", autouse=True, params=FLAVOURS)
-def flavour(request):
-    """Every test runs under both Lightning distributions (the jobs read ``LIGHTNING_PACKAGE``)."""
+@contextlib.contextmanager
+def distribution(name: str):
+    """The jobs started in the block use the Lightning distribution ``name`` (they read ``LIGHTNING_PACKAGE``)."""
     before = os.environ.get("LIGHTNING_PACKAGE")
-    os.environ["LIGHTNING_PACKAGE"] = request.param
-    yield request.param
-    if before is None:
-        os.environ.pop("LIGHTNING_PACKAGE", None)
-    else:
-        os.environ["LIGHTNING_PACKAGE"] = before
+    os.environ["LIGHTNING_PACKAGE"] = name
+    try:
+        yield name
+    finally:
+        if before is None:
+            os.environ.pop("LIGHTNING_PACKAGE", None)
+        else:
+            os.environ["LIGHTNING_PACKAGE"] = before
 
 
-def one_distribution(flavour: str) -> None:
-    """Run this test once, under ``lightning``. What differs between the two distributions is which
-    classes the callback resolves (``SIGTERMException``, ``ModelCheckpoint``, the strategies, the
-    CLI) and how their hooks call it; the tests that reach those differences run under both (kill
-    and resume, SIGTERM on one and two ranks, an exception, ``ckpt_path``, ``ModelCheckpoint``
-    beside ours, LightningCLI and its configuration errors, the strategy checks); the longer
-    variations of the same code path (other loaders, levels, device counts, schedulers, sharded
-    strategies) run once, to keep the suite's time."""
-    if flavour != "lightning":
-        pytest.skip("the same code path as under the lightning distribution, where it runs")
+@pytest.fixture(scope="module", autouse=True)
+def flavour():
+    """The jobs use the unified ``lightning`` distribution. What differs between the two distributions
+    (which classes the callback resolves, whose loop calls its hooks, LightningCLI's class checks) is
+    checked for both in this process by tests/test_lightning_distributions.py, and in jobs by the tests
+    that take :func:`each_distribution`, where a process shows more (SIGTERM through the distribution's
+    own exception, the CLI's configuration errors, a Lightning ``.ckpt`` of ours in each)."""
+    with distribution("lightning") as name:
+        yield name
+
+
+@pytest.fixture(params=FLAVOURS)
+def each_distribution(request):
+    """This test runs under both Lightning distributions."""
+    with distribution(request.param) as name:
+        yield name
 
 
 class References:

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lightning_ckpt import AsyncShardedCheckpoint  # noqa: E402
 
-# Which Lightning distribution this job uses: the tests run every job under both.
+# Which Lightning distribution this job uses (tests/lightning_jobs.py: the unified one, both where they differ).
 if os.environ.get("LIGHTNING_PACKAGE", "lightning") == "lightning":
     import lightning.pytorch as pl
 else:

@@ -18,10 +18,11 @@ from ckpt_engine.cli import main as ckpt
 from ckpt_engine.errors import CheckpointError
 from ckpt_engine.interop.lightning import from_lightning, import_lightning, to_lightning
 import lightning_jobs
-from lightning_jobs import assert_bitwise, final, lightning_module, one_distribution, run
+from lightning_jobs import assert_bitwise, final, lightning_module, run
 from lightning_ckpt._resume import inexact, interval
 
-flavour = lightning_jobs.flavour  # autouse: both Lightning distributions (longer variations once: one_distribution)
+flavour = lightning_jobs.flavour  # autouse: the unified lightning distribution
+each_distribution = lightning_jobs.each_distribution
 uninterrupted = lightning_jobs.uninterrupted  # the reference runs, shared by the modules of the session
 
 
@@ -80,12 +81,12 @@ def assert_same_training(a, b) -> None:
 
 
 @pytest.mark.slow
-def test_exported_ckpt_loads_in_load_from_checkpoint_and_resumes_as_ours(tmp_path, flavour):
+def test_exported_ckpt_loads_in_load_from_checkpoint_and_resumes_as_ours(tmp_path, each_distribution):
     """A checkpoint of ours at step 8 exported as a .ckpt: load_from_checkpoint gives its weights and
     hyper-parameters; fit(ckpt_path=<.ckpt>) to step 16 ends where continuing from ours ends."""
     from lightning_ckpt import AsyncShardedCheckpoint
 
-    pl = lightning_module(flavour)
+    pl = lightning_module(each_distribution)
     root = tmp_path / "ours"
     fit(pl, tmp_path, 8, callbacks=[AsyncShardedCheckpoint(str(root), every_n_train_steps=4)])
     assert Checkpointer(str(root)).steps() == [4, 8]
@@ -115,7 +116,6 @@ def test_lightning_written_ckpt_imported_resumes_with_the_callback(tmp_path, fla
     the callback resumes from it, ending where fit(ckpt_path=<that .ckpt>) ends."""
     from lightning_ckpt import AsyncShardedCheckpoint
 
-    one_distribution(flavour)
     pl = lightning_module(flavour)
     trainer, _ = fit(pl, tmp_path, 8)
     source = tmp_path / "lightning.ckpt"

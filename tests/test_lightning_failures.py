@@ -15,16 +15,18 @@ from ckpt_engine import Checkpointer
 from ckpt_engine.format.catalog import committed
 from helpers import flip_local, proc_stat
 import lightning_jobs
-from lightning_jobs import WORKER, assert_bitwise, final, one_distribution, run, seen
+from lightning_jobs import WORKER, assert_bitwise, final, run, seen
 
-flavour = lightning_jobs.flavour  # autouse: both Lightning distributions (longer variations once: one_distribution)
+flavour = lightning_jobs.flavour  # autouse: the unified lightning distribution
+each_distribution = lightning_jobs.each_distribution
 uninterrupted = lightning_jobs.uninterrupted  # the reference runs, shared by the modules of the session
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # real training jobs, killed and resumed
 
 
-def test_sigterm_mid_epoch_commits_a_final_checkpoint_and_resume_continues(tmp_path):
-    """One rank: see the README for why Lightning's multi-rank SIGTERM path cannot carry it."""
+def test_sigterm_mid_epoch_commits_a_final_checkpoint_and_resume_continues(tmp_path, each_distribution):
+    """One rank, under both distributions (the run ends with the distribution's own SIGTERMException): see the
+    README for why Lightning's multi-rank SIGTERM path cannot carry it."""
     ref = tmp_path / "ref"
     run(ref, ref / "ck", "--devices", "1", "--tag", "ref")
     ck = tmp_path / "ck"
@@ -78,10 +80,8 @@ def test_sigterm_to_a_two_rank_ddp_spawn_job_commits_a_final_checkpoint_and_resu
 
 
 @pytest.mark.parametrize("strategy", ["ddp_spawn", "ddp"])
-def test_an_exception_right_after_a_checkpoint_still_commits_it(tmp_path, strategy, flavour):
+def test_an_exception_right_after_a_checkpoint_still_commits_it(tmp_path, strategy):
     """Every rank raises right after the step-10 checkpoint started: fit() ends only once it is committed."""
-    if strategy == "ddp":
-        one_distribution(flavour)
     ck = tmp_path / "ck"
     proc = run(tmp_path, ck, "--strategy", strategy, "--raise-at", "10", "--tag", "raised", expect_rc=None)
     assert proc.returncode != 0 and "injected failure at step 10" in proc.stdout + proc.stderr
@@ -90,9 +90,8 @@ def test_an_exception_right_after_a_checkpoint_still_commits_it(tmp_path, strate
     assert entry.manifest.world_size == 2
 
 
-def test_resume_falls_back_past_a_checkpoint_whose_per_rank_section_is_damaged(tmp_path, flavour):
+def test_resume_falls_back_past_a_checkpoint_whose_per_rank_section_is_damaged(tmp_path):
     """Rank 1's per-rank section of the newest checkpoint is damaged: both ranks resume from the one before."""
-    one_distribution(flavour)
     ck = tmp_path / "ck"
     run(tmp_path, ck, "--max-steps", "20", "--tag", "first")
     newest = sorted(p for p in os.listdir(ck) if p.startswith("step-000000000020"))[-1]
@@ -101,8 +100,7 @@ def test_resume_falls_back_past_a_checkpoint_whose_per_rank_section_is_damaged(t
     assert json.load(open(tmp_path / "resumed-again.json"))["resumed_from"] == 15, proc.stderr[-3000:]
 
 
-def test_resume_names_the_dead_runs_newer_lightning_checkpoints(tmp_path, flavour):
-    one_distribution(flavour)
+def test_resume_names_the_dead_runs_newer_lightning_checkpoints(tmp_path):
     ck = tmp_path / "ck"
     run(tmp_path, ck, "--lightning-last", "7", "--kill-at", "23", "--tag", "killed", expect_rc=None)
     proc = run(tmp_path, ck, "--lightning-last", "7", "--max-steps", "24", "--tag", "auto")

@@ -14,18 +14,17 @@ import torch
 
 from ckpt_engine import Checkpointer
 import lightning_jobs
-from lightning_jobs import assert_bitwise, final, lightning_module, one_distribution, run
+from lightning_jobs import assert_bitwise, final, lightning_module, run
 
-flavour = lightning_jobs.flavour  # autouse: both Lightning distributions (longer variations once: one_distribution)
+flavour = lightning_jobs.flavour  # autouse: the unified lightning distribution
 uninterrupted = lightning_jobs.uninterrupted  # the reference runs, shared by the modules of the session
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # real training jobs, killed and resumed
 
 
-def test_two_levels_from_the_callback_flush_and_log_their_figures(tmp_path, flavour):
+def test_two_levels_from_the_callback_flush_and_log_their_figures(tmp_path):
     """levels=[local, second] through the callback: both levels get committed checkpoints, flush
     figures land in figures.jsonl and the logger, and a resume reads them back."""
-    one_distribution(flavour)
     ck, level2 = tmp_path / "ck", tmp_path / "level2"
     run(tmp_path, ck, "--level2", str(level2), "--max-steps", "20", "--tag", "lv")
     assert Checkpointer(str(ck), readonly=True).steps()[-1] == 20
@@ -94,11 +93,12 @@ BAD_CONFIGS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def bad_config_runs(tmp_path_factory, flavour):
-    """``lightning_train.py fit --config`` each of BAD_CONFIGS, all in one process (tests/cli_configs.py):
+@pytest.fixture(scope="module", params=lightning_jobs.FLAVOURS)
+def bad_config_runs(tmp_path_factory, request):
+    """``lightning_train.py fit --config`` each of BAD_CONFIGS, all in one process (tests/cli_configs.py),
+    under each Lightning distribution (its LightningCLI checks the callback's class and arguments):
     {override: {"rc", "stderr"}}."""
-    d = tmp_path_factory.mktemp("bad-configs")
+    d = tmp_path_factory.mktemp(f"bad-configs-{request.param}")
     cfgs = {}
     for i, (override, _) in enumerate(BAD_CONFIGS):
         cfg = d / f"bad{i}.yaml"
@@ -106,8 +106,9 @@ def bad_config_runs(tmp_path_factory, flavour):
                        "    - class_path: lightning_ckpt.AsyncShardedCheckpoint\n"
                        f"      init_args: {override}\n")
         cfgs[str(cfg)] = override
-    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "cli_configs.py"),
-                           str(d / "out.json"), *cfgs], cwd=d, capture_output=True, text=True, timeout=300)
+    with lightning_jobs.distribution(request.param):
+        proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "cli_configs.py"),
+                               str(d / "out.json"), *cfgs], cwd=d, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {cfgs[cfg]: r for cfg, r in json.loads((d / "out.json").read_text()).items()}
 
@@ -166,8 +167,7 @@ def test_ckpt_path_last_restores_exactly_one_checkpoint_the_newer(tmp_path):
     assert f"not restoring this callback's newest checkpoint (step {ours}" in log, log[-3000:]
 
 
-def test_ckpt_path_last_older_than_ours_restores_ours_bitwise(uninterrupted, tmp_path, flavour):
-    one_distribution(flavour)
+def test_ckpt_path_last_older_than_ours_restores_ours_bitwise(uninterrupted, tmp_path):
     ck = tmp_path / "ck"
     run(tmp_path, ck, "--lightning-last", "13", "--kill-at", "23", "--tag", "killed", expect_rc=None)
     ours = Checkpointer(str(ck)).latest_step()
@@ -181,8 +181,7 @@ def test_ckpt_path_last_older_than_ours_restores_ours_bitwise(uninterrupted, tmp
     assert_bitwise(final(uninterrupted[0], "ref"), final(tmp_path, "last"))
 
 
-def test_explicit_ckpt_path_of_ours_with_resume_auto_reads_it_once(tmp_path, flavour):
-    one_distribution(flavour)
+def test_explicit_ckpt_path_of_ours_with_resume_auto_reads_it_once(tmp_path):
     ck = tmp_path / "ck"
     run(tmp_path, ck, "--max-steps", "12", "--tag", "first")
     newest = sorted(p for p in os.listdir(ck) if p.startswith("step-"))[-1]

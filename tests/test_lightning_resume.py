@@ -13,9 +13,9 @@ import torch
 from ckpt_engine import Checkpointer
 from ckpt_engine.format.catalog import committed
 import lightning_jobs
-from lightning_jobs import assert_bitwise, assert_epoch_resplit, final, killed_and_resumed, one_distribution, run, seen
+from lightning_jobs import assert_bitwise, assert_epoch_resplit, final, killed_and_resumed, run, seen
 
-flavour = lightning_jobs.flavour  # autouse: both Lightning distributions (longer variations once: one_distribution)
+flavour = lightning_jobs.flavour  # autouse: the unified lightning distribution
 uninterrupted = lightning_jobs.uninterrupted  # the reference runs, shared by the modules of the session
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # real training jobs, killed and resumed
@@ -40,9 +40,7 @@ def test_both_ranks_write_their_files_and_the_manifest_records_them(uninterrupte
     (0, 8, 19, (16,)),  # step 16 is the last batch of epoch 0: the resume starts the next epoch
 ])
 def test_sigkill_mid_epoch_then_auto_resume_is_bitwise_identical(uninterrupted, tmp_path, workers, every, kill_at,
-                                                                   expected, flavour):
-    if (workers, every) != (0, 5):
-        one_distribution(flavour)
+                                                                   expected):
     ck = tmp_path / "ck"
     run(tmp_path, ck, "--workers", str(workers), "--every", str(every), "--kill-at", str(kill_at), "--tag", "killed",
         expect_rc=None)
@@ -65,10 +63,9 @@ def test_sigkill_mid_epoch_then_auto_resume_is_bitwise_identical(uninterrupted, 
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_stateful_dataloader_under_ddp_resumes_bitwise_and_exactly_once(tmp_path, workers, flavour):
+def test_stateful_dataloader_under_ddp_resumes_bitwise_and_exactly_once(tmp_path, workers):
     """torchdata's StatefulDataLoader: Lightning restores its state; under DDP its sampler is wrapped
     in DistributedSamplerWrapper and its RandomSampler draws from a generator of its own."""
-    one_distribution(flavour)
     ref, restored = killed_and_resumed(tmp_path, ["--stateful", "--workers", str(workers)], 23, (15, 20))
     for rank in (0, 1):
         before = [r for r in seen(tmp_path, "killed", rank) if r["epoch"] == 1 and r["step"] <= restored]
@@ -78,8 +75,7 @@ def test_stateful_dataloader_under_ddp_resumes_bitwise_and_exactly_once(tmp_path
         assert len(set(ids)) == 128
 
 
-def test_resume_on_one_rank_from_a_two_rank_checkpoint(uninterrupted, tmp_path, flavour):
-    one_distribution(flavour)
+def test_resume_on_one_rank_from_a_two_rank_checkpoint(uninterrupted, tmp_path):
     ck = tmp_path / "ck"
     run(tmp_path, ck, "--max-steps", "20", "--tag", "two")
     run(tmp_path, ck, "--devices", "1", "--max-steps", "24", "--dump-restored", "--tag", "one")
@@ -91,13 +87,12 @@ def test_resume_on_one_rank_from_a_two_rank_checkpoint(uninterrupted, tmp_path, 
 
 
 @pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
-def test_resumed_on_another_number_of_devices_each_remaining_sample_of_the_epoch_once(tmp_path, before, after, flavour):
+def test_resumed_on_another_number_of_devices_each_remaining_sample_of_the_epoch_once(tmp_path, before, after):
     """Killed mid-epoch on ``before`` devices, resumed on ``after``: the unseen rest of the interrupted
     epoch is re-split among the new devices (every sample of the epoch once, none twice), and
     Lightning's loop counts the new split, so the epoch ends exactly when the rest runs out and the
     next one is whole. One device: the single-device strategy (the loader's RandomSampler) when
     resumed on, DDP (a DistributedSampler) when the checkpoint's writer."""
-    one_distribution(flavour)
     one = ["--ddp-on-one"] if before == 1 else []
     ck = tmp_path / "ck"
     run(tmp_path, ck, "--devices", str(before), *one, "--kill-at", "23", "--tag", "killed", expect_rc=None)
@@ -113,12 +108,11 @@ def test_resumed_on_another_number_of_devices_each_remaining_sample_of_the_epoch
 
 
 @pytest.mark.parametrize("scheduler", ["plateau", "exp"])
-def test_epoch_schedulers_and_validation_across_a_resume_are_bitwise(tmp_path, scheduler, flavour):
+def test_epoch_schedulers_and_validation_across_a_resume_are_bitwise(tmp_path, scheduler):
     """Lightning steps no epoch-interval scheduler (ReduceLROnPlateau included) at the end of an epoch
     it restarted, and skips an epoch's end (validation, schedulers) entirely when restarted from its
     last batch. Resumed from our checkpoints, mid-epoch (step 20) and at an epoch's end (step 16),
     the run must match the uninterrupted one."""
-    one_distribution(flavour)
     flags = ["--val", "--scheduler", scheduler]
     ref = tmp_path / "ref"
     run(ref, ref / "ck", *flags, "--tag", "ref")

@@ -2,7 +2,7 @@
 Trainer on CPU (gloo): sharded state taken with ``get_state_dict`` and written asynchronously (each
 rank its own chunks), SIGKILL mid-epoch and a bit-identical resume, a resume on another number of
 devices with the same state and the rest of the epoch re-split. The jobs are ``lightning_worker.py``
-with ``--strategy fsdp2`` / ``fsdp2_tp``, under both Lightning distributions."""
+with ``--strategy fsdp2`` / ``fsdp2_tp``."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from ckpt_engine import Checkpointer
 from ckpt_engine.format.catalog import committed
 from helpers import assert_same
 import lightning_jobs
-from lightning_jobs import (assert_bitwise, assert_epoch_resplit, final, killed_and_resumed, one_distribution,
+from lightning_jobs import (assert_bitwise, assert_epoch_resplit, final, killed_and_resumed,
                             run, seen)
 
-flavour = lightning_jobs.flavour  # autouse: every test runs under both Lightning distributions
+flavour = lightning_jobs.flavour  # autouse: the unified lightning distribution
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # real training jobs, killed and resumed
 FSDP2 = ("--strategy", "fsdp2")
@@ -85,11 +85,10 @@ def test_fsdp2_exception_right_after_a_checkpoint_then_resume_is_bitwise(referen
 
 
 @pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
-def test_fsdp2_resumed_on_another_number_of_devices_same_state_rest_of_epoch_once(tmp_path, before, after, flavour):
+def test_fsdp2_resumed_on_another_number_of_devices_same_state_rest_of_epoch_once(tmp_path, before, after):
     """Stopped mid-epoch (step 20) under FSDP2 on ``before`` devices, resumed on ``after``: the
     restored state is the writer's, bit for bit, and the unseen rest of the epoch is re-split among
     the new devices (every sample of the epoch once), the epoch ending when it runs out."""
-    one_distribution(flavour)
     ck = tmp_path / "ck"
     run(tmp_path, ck, *FSDP2, "--devices", str(before), "--max-steps", "20", "--tag", "first")
     restored = Checkpointer(str(ck)).latest_step()
@@ -107,12 +106,11 @@ def test_fsdp2_resumed_on_another_number_of_devices_same_state_rest_of_epoch_onc
     assert_epoch_resplit(tmp_path, "first", before, after, restored, epoch, left, batches[after])
 
 
-def test_fsdp2_with_tensor_parallel_on_four_processes_resumes_bitwise(tmp_path, flavour):
+def test_fsdp2_with_tensor_parallel_on_four_processes_resumes_bitwise(tmp_path):
     """A 2 x 2 mesh (FSDP2 over data parallel, tensor parallel inside): the checkpoint holds every
     tensor whole (chunks of both dimensions), and a run killed mid-epoch resumes bit-identical: the
     whole weights and optimizer state, and on every rank its BatchNorm statistics and random streams
     (the final checkpoints, taken at the end of both runs) and the samples it trained on."""
-    one_distribution(flavour)
     flags = ["--strategy", "fsdp2_tp", "--devices", "4", "--max-steps", "24"]
     ref = tmp_path / "ref"
     run(ref, ref / "ck", *flags, "--tag", "ref")
@@ -133,16 +131,14 @@ def test_fsdp2_with_tensor_parallel_on_four_processes_resumes_bitwise(tmp_path, 
         assert ids == [i for r in seen(ref, "ref", rank) for i in r["ids"]]
 
 
-def test_fsdp1_under_fsdp_strategy_resumes_bitwise(tmp_path, flavour):
+def test_fsdp1_under_fsdp_strategy_resumes_bitwise(tmp_path):
     """FSDPStrategy (FSDP1) goes through the same path. Lightning runs it only on CUDA; the job uses a
     subclass (its accelerator check is for FSDPStrategy itself) and wraps the network in FSDP1 with a
     device mesh and ``device_id=cpu`` in ``configure_model``, which FSDPStrategy keeps."""
-    one_distribution(flavour)
     killed_and_resumed(tmp_path, ["--strategy", "fsdp1", "--max-steps", "24"], 13, (5, 10))
 
 
-def test_fsdp1_without_a_device_mesh_is_refused_naming_the_key_and_the_fix(tmp_path, flavour):
-    one_distribution(flavour)
+def test_fsdp1_without_a_device_mesh_is_refused_naming_the_key_and_the_fix(tmp_path):
     proc = run(tmp_path, tmp_path / "ck", "--strategy", "fsdp1", "--no-mesh", "--max-steps", "6", "--tag", "nm",
                expect_rc=None)
     log = proc.stdout + proc.stderr
@@ -152,10 +148,9 @@ def test_fsdp1_without_a_device_mesh_is_refused_naming_the_key_and_the_fix(tmp_p
     assert not list((tmp_path / "ck").glob("step-*"))
 
 
-def test_fsdp2_explicit_ckpt_path_of_ours_reads_it_once(tmp_path, flavour):
+def test_fsdp2_explicit_ckpt_path_of_ours_reads_it_once(tmp_path):
     """``fit(ckpt_path=<one of ours>)``: ModelParallelStrategy loads its own files (not through the
     CheckpointIO), so the callback restores that checkpoint itself, once, with the weights."""
-    one_distribution(flavour)
     ck = tmp_path / "ck"
     run(tmp_path, ck, *FSDP2, "--max-steps", "12", "--tag", "first")
     older = sorted(p for p in os.listdir(ck) if p.startswith("step-000000000010"))[-1]
@@ -170,8 +165,7 @@ def test_fsdp2_explicit_ckpt_path_of_ours_reads_it_once(tmp_path, flavour):
         assert torch.equal(restored["model"][name], value), name
 
 
-def test_a_ddp_checkpoint_resumed_under_fsdp2_fails_saying_which_strategy_wrote_it(tmp_path, flavour):
-    one_distribution(flavour)
+def test_a_ddp_checkpoint_resumed_under_fsdp2_fails_saying_which_strategy_wrote_it(tmp_path):
     ck = tmp_path / "ck"
     run(tmp_path, ck, "--max-steps", "6", "--tag", "ddp")
     proc = run(tmp_path, ck, *FSDP2, "--max-steps", "8", "--tag", "fsdp2", expect_rc=None)
