@@ -8,6 +8,8 @@ import uuid
 import pytest
 from hypothesis import settings
 
+pytest_plugins = ["pytester"]  # tests/test_markers.py collects a small suite with this conftest
+
 
 # Deterministic property tests: the same examples on every run and machine, no example database.
 settings.register_profile("deterministic", derandomize=True, database=None, deadline=None)
@@ -73,19 +75,23 @@ def any_url(request, tmp_path):
     return request.getfixturevalue("s3_url" if request.param == "s3" else "az_url")
 
 
+def pytest_itemcollected(item):
+    """A test that uses an object-store server carries its marker from the moment it is collected, so
+    that ``-m "not s3 and not azure"`` leaves it out (marks added in ``pytest_collection_modifyitems``
+    came after pytest's own selection there: the quick subset started moto and azurite)."""
+    for fixture, mark in (("s3_server", pytest.mark.s3), ("azurite_server", pytest.mark.azure)):
+        if fixture in getattr(item, "fixturenames", ()):
+            item.add_marker(mark)
+
+
 @pytest.hookimpl(trylast=True)  # after pytest's own reordering for fixtures
 def pytest_collection_modifyitems(items):
-    """Tests that use an object-store server carry its marker (``-m "not s3 and not azure"`` leaves
-    them out), and modules marked ``slow`` come first, each module's tests in their own order.
+    """Modules marked ``slow`` come first, each module's tests in their own order.
 
     scripts/test.sh runs the suite on pytest-xdist workers a module at a time, in this order
     (``--dist loadfile --no-loadscope-reorder``). The slow modules take minutes each (real training
     jobs): handed out first, they spread over the workers while the many short modules fill in the
     end; handed out last, one of them could run alone after everything else."""
-    for item in items:
-        for fixture, mark in (("s3_server", pytest.mark.s3), ("azurite_server", pytest.mark.azure)):
-            if fixture in getattr(item, "fixturenames", ()):
-                item.add_marker(mark)
     slow = {item.module.__name__ for item in items if item.get_closest_marker("slow") is not None}
     items.sort(key=lambda item: item.module.__name__ not in slow)  # stable: the order within a module stays
 

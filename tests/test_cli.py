@@ -68,7 +68,8 @@ def out_json(capsys) -> object:
 
 
 # ---- ls ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.s3)])
 def test_ls_table_and_json(where, request, capsys):
     root = request.getfixturevalue(f"{where}_root")
     assert main(["ls", root, "--json"]) == 0
@@ -85,6 +86,7 @@ def test_ls_table_and_json(where, request, capsys):
     assert table[1].split()[:2] == ["1", "2"] and table[3].endswith("committed, latest")
 
 
+@pytest.mark.slow
 def test_ls_all_shows_leftovers_and_empty_root(local_copy, tmp_path, capsys):
     os.makedirs(f"{local_copy}/step-000000000004-ffffffffffff00000001")
     with open(f"{local_copy}/step-000000000004-ffffffffffff00000001/rank-00001.abort.json", "w") as f:
@@ -100,7 +102,8 @@ def test_ls_all_shows_leftovers_and_empty_root(local_copy, tmp_path, capsys):
 
 
 # ---- verify -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.s3)])
 def test_verify_ok_and_missing_step(where, request, capsys):
     root = request.getfixturevalue(f"{where}_root")
     assert main(["verify", root]) == 0
@@ -114,6 +117,7 @@ def test_verify_ok_and_missing_step(where, request, capsys):
     assert "no committed checkpoint of step 7" in err and "[1, 2, 3]" in err
 
 
+@pytest.mark.slow
 def test_verify_names_the_damaged_file_and_tensor(local_copy, capsys):
     name = manifest_dirs(Storage(local_copy))[-1][1]
     path = f"{local_copy}/{name}/rank-00001.bin"
@@ -134,6 +138,7 @@ def test_verify_names_the_damaged_file_and_tensor(local_copy, capsys):
     assert not os.path.exists(str(local_copy) + ".pt")
 
 
+@pytest.mark.slow
 def test_damaged_manifest_fails_verify_and_is_kept_by_gc(local_copy, capsys):
     name = manifest_dirs(Storage(local_copy))[-1][1]
     with open(f"{local_copy}/{name}/manifest.json", "r+b") as f:
@@ -154,6 +159,7 @@ def test_damaged_manifest_fails_verify_and_is_kept_by_gc(local_copy, capsys):
 
 
 # ---- inspect ----------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_inspect_text_and_json(local_root, capsys):
     assert main(["inspect", local_root, "--step", "2"]) == 0
     text = capsys.readouterr().out
@@ -190,6 +196,7 @@ def test_inspect_text_and_json(local_root, capsys):
 
 
 # ---- diff -------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_diff_two_steps_reports_changes_and_exit_codes(local_root, capsys):
     assert main(["diff", local_root, "2", "3", "--json"]) == 1
     doc = out_json(capsys)
@@ -214,6 +221,7 @@ def test_diff_two_steps_reports_changes_and_exit_codes(local_root, capsys):
     assert capsys.readouterr().out == ""
 
 
+@pytest.mark.slow
 def test_diff_across_storages_with_path_at_step(local_root, s3_root, capsys):
     assert main(["diff", f"{local_root}@3", f"{s3_root}@3"]) == 0  # same bytes written to disk and to S3
     assert capsys.readouterr().out.rstrip().endswith("identical")
@@ -277,6 +285,7 @@ def pickled_modules(path: str) -> set[str]:
     return mods
 
 
+@pytest.mark.slow
 def test_export_torch_loads_without_ckpt_suite_bit_for_bit(local_root, tmp_path, capsys):
     out = str(tmp_path / "state.pt")
     assert main(["export", local_root, "--step", "3", out]) == 0
@@ -302,6 +311,7 @@ def test_export_torch_loads_without_ckpt_suite_bit_for_bit(local_root, tmp_path,
     assert got["state.optimizer.param_groups"] == make_state(2)["optimizer"]["param_groups"]
 
 
+@pytest.mark.slow
 def test_export_safetensors_from_s3_matches_bit_for_bit(s3_root, tmp_path, capsys):
     from safetensors import safe_open
     from safetensors.torch import load_file
@@ -321,6 +331,7 @@ def test_export_safetensors_from_s3_matches_bit_for_bit(s3_root, tmp_path, capsy
     assert len(tensors) == 12
 
 
+@pytest.mark.slow
 def test_export_to_an_fsspec_url_and_errors(local_root, s3_root, tmp_path, capsys):
     url = f"{s3_root}-export/state.pt"
     assert main(["export", local_root, url, "--json"]) == 0
@@ -345,6 +356,7 @@ def make_leftover(root: str, step: int, age_s: float) -> str:
     return name
 
 
+@pytest.mark.slow
 def test_gc_dry_run_then_delete(local_copy, capsys):
     old = make_leftover(local_copy, 9, 7200)
     young = make_leftover(local_copy, 10, 5)
@@ -366,6 +378,7 @@ def test_gc_dry_run_then_delete(local_copy, capsys):
     assert "--grace" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_gc_on_s3_spares_committed_and_young_leftovers(s3_server, s3_root, capsys):
     root = f"s3://ckpt/gc-{uuid.uuid4().hex[:8]}"
     st = Storage(root)
@@ -383,6 +396,7 @@ def test_gc_on_s3_spares_committed_and_young_leftovers(s3_server, s3_root, capsy
 
 
 # ---- progress, storage options, usage ---------------------------------------------------------
+@pytest.mark.slow
 def test_no_progress_output_when_piped(local_root, tmp_path):
     for args in (["verify", local_root], ["export", local_root, str(tmp_path / "p.pt")],
                  ["diff", local_root, "1", "3"]):
@@ -393,6 +407,7 @@ def test_no_progress_output_when_piped(local_root, tmp_path):
     assert js.stderr == "" and json.loads(js.stdout)["ok"] is True
 
 
+@pytest.mark.slow
 def test_progress_bar_on_a_terminal_only_on_stderr(local_root):
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
@@ -414,6 +429,7 @@ def test_progress_bar_on_a_terminal_only_on_stderr(local_root):
     assert b"%|" not in proc.stdout.read()
 
 
+@pytest.mark.slow
 def test_storage_options_reach_fsspec(s3_server, s3_root):
     env = {k: v for k, v in os.environ.items() if k != "AWS_ENDPOINT_URL"}
     opt = "client_kwargs=" + json.dumps({"endpoint_url": s3_server.endpoint, "region_name": "us-east-1"})

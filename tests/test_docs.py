@@ -130,6 +130,7 @@ def test_api_reference_covers_every_public_name() -> None:
     assert not missing, f"docs/api.md has no '::: ' entry for the public name(s) {missing}"
 
 
+@pytest.mark.slow
 def test_mkdocs_build_strict(tmp_path: Path) -> None:
     if importlib.util.find_spec("mkdocs") is None:
         pytest.fail("mkdocs is not installed: install the docs extra (pip install -e '.[docs]'; "

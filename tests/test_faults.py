@@ -69,6 +69,7 @@ def test_background_error_surfaces_on_the_next_save(tmp_path):
     ck.close()
 
 
+@pytest.mark.slow
 def test_flipped_byte_is_named_by_load_and_verify(tmp_path):
     root = saved(tmp_path)
     data = os.path.join(newest_dir(root), "rank-00000.bin")
@@ -85,6 +86,7 @@ def test_flipped_byte_is_named_by_load_and_verify(tmp_path):
     assert cli("verify", root, "--step", "1").returncode == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncate", "delete_data", "delete_index", "flip_index", "flip_manifest",
                                     "truncate_manifest", "swap_data"])
 def test_damaged_checkpoints_are_detected(tmp_path, damage):

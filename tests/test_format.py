@@ -118,6 +118,7 @@ def as_bytes(value):
     return value
 
 
+@pytest.mark.slow
 def test_a_reader_written_from_the_format_page_matches_load(tmp_path):
     from ckpt_engine import Checkpointer
 
@@ -139,6 +140,7 @@ def test_a_reader_written_from_the_format_page_matches_load(tmp_path):
             assert local == as_bytes(ck.load_local(rank=r))
 
 
+@pytest.mark.slow
 def test_the_reader_places_the_chunks_of_a_sharded_checkpoint(tmp_path):
     from ckpt_engine import Checkpointer
     from ranks import start_ranks

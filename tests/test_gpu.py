@@ -337,6 +337,7 @@ def test_load_into_cuda_tensors_fills_them_in_place(tmp_path):
     assert_same(to_cpu(out), expect)
 
 
+@pytest.mark.slow
 @cuda
 @pytest.mark.parametrize("pipeline", [False, True])
 def test_lightning_job_on_the_gpu_killed_and_resumed_is_bitwise_identical(tmp_path, pipeline):
@@ -396,6 +397,7 @@ print("ok", ck.latest_step())
 """
 
 
+@pytest.mark.slow
 @cuda
 def test_cpu_only_process_loads_a_checkpoint_saved_from_cuda(tmp_path):
     state, local = cuda_state(), {"bn": torch.randn(9, device="cuda"), "pos": 5}
@@ -411,6 +413,7 @@ def test_cpu_only_process_loads_a_checkpoint_saved_from_cuda(tmp_path):
     assert proc.stdout.split() == ["ok", "12"]
 
 
+@pytest.mark.slow
 def test_bench_gpu_tiny_runs_end_to_end(tmp_path):
     """bench_gpu.py --tiny (CPU without CUDA): every figure is there and positive."""
     out = tmp_path / "out"
@@ -456,6 +459,7 @@ def test_bench_gpu_tiny_runs_end_to_end(tmp_path):
         assert r["checkpoints"] >= (0 if name.startswith("baseline") else 1), (name, r)
 
 
+@pytest.mark.slow
 def test_bench_gpu_lightning_tiny_runs_end_to_end(tmp_path):
     """bench_gpu_lightning.py --tiny (a 2-layer GPT-2 on the CPU): every contender fits, ours checkpoint
     through the levels they name (the memory level's buffers are its tmpfs files) and the table has them."""

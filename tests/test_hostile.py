@@ -206,6 +206,7 @@ def _sparse(path: str, size: int) -> None:
     os.truncate(path, size)  # a hole: no disk used
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage, file", [
     (_fifo, "manifest.json"),
     (_dev_zero, "manifest.json"),
@@ -225,6 +226,7 @@ def test_no_reader_hangs_or_reads_a_device_or_a_huge_file(root, tmp_path, damage
     assert res["maxrss_mib"] < 1500, res
 
 
+@pytest.mark.slow
 def test_an_index_claimed_larger_than_the_cap_is_never_read(root, tmp_path):
     newest = dirs(root)[-1]
     path = os.path.join(root, newest, "rank-00000.index.json")

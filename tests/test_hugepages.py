@@ -25,6 +25,7 @@ def test_large_fresh_cpu_tensors_are_advised_and_small_ones_are_not():
     assert int(t.sum()) == 7 * t.numel()
 
 
+@pytest.mark.slow
 def test_turned_off_by_the_environment():
     code = ("import torch; from ckpt_engine.host import hugepages; "
             "print(hugepages.advise(torch.empty(hugepages.MIN_BYTES)))")

@@ -396,6 +396,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow
 def test_two_jobs_on_one_node_keep_their_own_memory_until_one_is_gone(tmp_path):
     mem = tmp_path / "mem"
     ours = [sys.executable, "-c", _ONE_JOB, str(mem)]

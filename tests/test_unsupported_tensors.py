@@ -56,6 +56,7 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["meta", pytest.param("dtensor", marks=needs_gloo)])
 def test_saving_a_tensor_without_storage_does_not_kill_the_process(kind, tmp_path):
     proc = subprocess.run([sys.executable, "-c", _CHILD, kind, str(tmp_path)],
