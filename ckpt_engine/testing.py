@@ -20,7 +20,10 @@ writes of data files, inside the real write path:
   its bytes with ``ENOSPC`` (a disk that fills up, a connection that drops mid-write);
 * :class:`SlowStorage` — each data-file write first sleeps ``delay`` seconds (a slow disk or remote
   level), counting concurrent writers;
-* :class:`GatedStorage` — each data-file write waits until ``gate`` is set (a level that hangs).
+* :class:`GatedStorage` — each data-file write waits until ``gate`` is set (a level that hangs);
+* :class:`CrashStorage` — at a named instant of the save of one step (:data:`CRASH_INSTANTS`: before
+  the data, between data and index, the manifest, ``latest``, retention...), the process is
+  SIGKILLed (the job dies there; its restart shows what it makes of what was left).
 
 A fault of your own: subclass ``Storage`` (or one of these), override the operation and call
 ``super()`` for the real one; raise from inside :meth:`~ckpt_engine.storage.Storage.run` (e.g.
@@ -32,11 +35,16 @@ from __future__ import annotations
 
 import errno
 import json
+import os
+import posixpath
+import signal
 import threading
 import time
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
-from .storage import Storage
+from .format.catalog import LATEST, parse_dir
+from .format.entries import MANIFEST_NAME
+from .storage import LocalStorage, Storage
 
 T = TypeVar("T")
 
@@ -185,3 +193,124 @@ class GatedStorage(Storage):
             self.blocked.set()
             self.gate.wait()
         return super().write_stream(rel, chunks, **kw)
+
+
+CRASH_INSTANTS: tuple[str, ...] = (
+    "before-data", "torn-data", "before-index", "torn-index", "after-index", "before-manifest", "torn-manifest",
+    "after-manifest", "torn-latest", "after-latest", "torn-retention")
+"""The instants of a save where :class:`CrashStorage` kills, in the order a save reaches them."""
+
+RENAME_INSTANTS = frozenset({"torn-index", "torn-manifest", "torn-latest"})
+"""Instants inside an atomic write: its temporary file written, not yet renamed into place. They exist
+where ``write_atomic`` renames a temporary file (this machine's files, :class:`LocalStorage`); an object
+store writes the file in one PUT, whole or not at all, so there they are the ``before-``/``after-`` ones."""
+
+
+class CrashStorage(Storage):
+    """The real storage; at ``instant`` of the save of ``step`` it calls :meth:`crash` (default: SIGKILL
+    of this process's group), inside the real write path. The instants, in save order (the commit
+    protocol of docs/FORMAT.md); the first five are each rank's, around its own files (whichever rank
+    gets there first crashes):
+
+    * ``before-data``: the attempt's directory is made, the rank's data file not started;
+    * ``torn-data``: half of the data file's bytes went to the real write, which dies asking for the
+      rest (this machine's files: a short file; an object store: nothing, the upload never completed);
+    * ``before-index``: between data and index: the data file is durable, the index file (the rank's
+      commit: its part of the checkpoint is complete) is not written;
+    * ``torn-index``: the index's temporary file is written, not renamed (:data:`RENAME_INSTANTS`);
+    * ``after-index``: the rank's index file is in place;
+
+    the others are rank 0's, the committer's:
+
+    * ``before-manifest``: every rank's index file is in place, the manifest not written;
+    * ``torn-manifest``: the manifest's temporary file is written, not renamed;
+    * ``after-manifest``: the checkpoint is committed; ``latest`` still names the one before;
+    * ``torn-latest``: ``latest``'s temporary file is written, not renamed;
+    * ``after-latest``: ``latest`` names the checkpoint; retention has not run;
+    * ``torn-retention``: retention after this commit made its first removal (an older checkpoint's
+      manifest, in the engine's order: the checkpoint stops existing before its files go), no other.
+
+    ``crash(rel, detail)`` gets the file of the instant and, for ``torn-data``, ``"W/T"``: the bytes
+    written of the total. Override it to kill more than this process's group (each rank of a test
+    job in a session of its own: kill the others, then call ``super().crash``).
+    """
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, instant: str, step: int,
+                 **kwargs: Any) -> None:
+        super().__init__(url, storage_options, **kwargs)
+        if instant not in CRASH_INSTANTS:
+            raise ValueError(f"instant={instant!r} is not one of {CRASH_INSTANTS}")
+        if instant in RENAME_INSTANTS and not isinstance(self, LocalStorage):
+            raise ValueError(f"instant={instant!r}: {self.describe('')} writes a file in one request (no temporary "
+                             "file renamed into place); use the before- or after- instant of that file")
+        self.instant, self.step = instant, step
+        self._renaming: str | None = None
+        self._committed = False
+
+    def crash(self, rel: str, detail: str = "") -> None:
+        """Kill the job at the instant (``rel``: the file it concerns); default: this process group."""
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    def _at(self, instant: str, rel: str, detail: str = "") -> None:
+        if instant == self.instant:
+            self.crash(rel, detail)
+
+    def _kind(self, rel: str, data: bytes = b"") -> str | None:
+        """``data``, ``index``, ``manifest`` or ``latest`` for a file of the save of ``step``, else ``None``."""
+        if rel == LATEST:
+            return "latest" if (parse_dir(data.decode(errors="replace")) or (None,))[0] == self.step else None
+        where, name = posixpath.split(rel)
+        if (parse_dir(where) or (None,))[0] != self.step:
+            return None
+        if name == MANIFEST_NAME:
+            return "manifest"
+        if name.startswith("rank-"):
+            return "data" if name.endswith(".bin") else "index" if name.endswith(".index.json") else None
+        return None
+
+    def write_stream(self, rel: str, chunks: Any, **kw: Any) -> int:
+        if self._kind(rel) == "data":
+            self._at("before-data", rel)
+            if self.instant == "torn-data":
+                chunks = _Torn(chunks, lambda written, total: self.crash(rel, f"{written}/{total}"))
+        return super().write_stream(rel, chunks, **kw)
+
+    def write_atomic(self, rel: str, data: bytes, **kw: Any) -> None:
+        kind = self._kind(rel, data)
+        if kind is None:
+            return super().write_atomic(rel, data, **kw)
+        self._at(f"before-{kind}", rel)
+        if self.instant == f"torn-{kind}":
+            self._renaming = rel
+        super().write_atomic(rel, data, **kw)
+        self._committed = self._committed or kind == "manifest"
+        self._at(f"after-{kind}", rel)
+
+    def run(self, action: str, rel: str, fn: Callable[[], T]) -> T:
+        if action == "rename" and rel == self._renaming:
+            self.crash(rel)
+        return super().run(action, rel, fn)
+
+    def remove(self, rel: str) -> None:
+        super().remove(rel)
+        if self._committed:  # the first removal after the commit: retention's
+            self._at("torn-retention", rel)
+
+
+class _Torn:
+    """A write's chunks handed over lazily (an iterable, so the real write streams them): the first
+    half of their bytes, then ``crash(written, total)`` where the write asks for more."""
+
+    def __init__(self, chunks: Any, crash: Callable[[int, int], None]) -> None:
+        self._views = [memoryview(c).cast("B") for c in chunks]
+        self._crash = crash
+
+    def __iter__(self) -> Iterator[memoryview]:
+        total = sum(len(v) for v in self._views)
+        left = half = total // 2
+        for view in self._views:
+            if left == 0:
+                break
+            yield view[:left]
+            left -= min(left, len(view))
+        self._crash(half, total)

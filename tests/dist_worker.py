@@ -8,13 +8,19 @@ in the environment. Modes:
 * ``restore ROOT OUT``: the collective restore twice, by ``$ROUTE``, with its figures and bytes read;
 * ``loop ROOT OUT``: save every step forever (the test SIGKILLs it), printing committed steps;
 * ``schedule ROOT OUT``: an adaptive schedule with rank-dependent iteration times;
-* ``crashloop ROOT OUT``: check what a restart restored, then save every step until killed.
+* ``crashloop ROOT OUT``: a restart of a job killed at any instant (tests/test_crash.py): rank 0
+  prints what the start-up sweep left (``swept {json}``), every rank checks what it restored
+  (``restored STEP ok``), then the job saves every step; with ``CRASH_AT=INSTANT:STEP`` one save at a
+  time (each committed, retention done, before the next) until :class:`CrashStorage` kills every rank
+  at that instant (``crash INSTANT STEP RANK FILE DETAIL`` first); with ``SAVES=N`` N saves, one at a
+  time, then it ends; with neither, saves overlap until the test kills the job.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
 import torch
@@ -25,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from worker_exit import leave  # noqa: E402
 from ckpt_engine import Checkpointer, TorchDistComm  # noqa: E402
+from ckpt_engine.testing import CrashStorage  # noqa: E402
 
 
 def make_state(step: int) -> dict:
@@ -83,11 +90,71 @@ def _rchar() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
 
 
+class KillJob(CrashStorage):
+    """Kills the whole job at the instant: every rank runs in a session of its own (tests/ranks.py),
+    so the rank that gets there kills the others (``pids``), then its own process group."""
+
+    pids: tuple[int, ...] = ()
+
+    def crash(self, rel: str, detail: str = "") -> None:
+        print(f"crash {self.instant} {self.step} {dist.get_rank()} {rel} {detail}".rstrip(), flush=True)
+        for pid in self.pids:
+            if pid != os.getpid():
+                os.kill(pid, signal.SIGKILL)
+        super().crash(rel, detail)
+
+
+def crashloop(root: str, rank: int) -> None:
+    """The ``crashloop`` mode (module docstring); returns only with ``SAVES``."""
+    from ckpt_engine.format.catalog import attempt_dirs, manifest_dirs
+
+    crash_at, saves = os.environ.get("CRASH_AT"), os.environ.get("SAVES")
+    storage: str | KillJob = root
+    if crash_at:
+        instant, at = crash_at.split(":")
+        pids: list = [None] * dist.get_world_size()
+        dist.all_gather_object(pids, os.getpid())
+        KillJob.pids = tuple(pids)
+        storage = KillJob(root, instant=instant, step=int(at))
+    ck = Checkpointer(storage, comm=TorchDistComm(), keep_last=int(os.environ.get("KEEP_LAST", "3")))
+    if rank == 0:  # the sweep is done (rank 0, in the constructor); nothing is written before the barrier
+        left = {"dirs": attempt_dirs(ck.storage), "committed": [d for _, d in manifest_dirs(ck.storage)],
+                "tmp": list(ck.storage.stale_temp_files())}
+        print(f"swept {json.dumps(left)}", flush=True)
+    dist.barrier()
+    step = ck.latest_step() or 0
+    if step:
+        ok = digest(ck.load()) == digest(make_state(step)) and digest(ck.load_local()) == digest(make_local(step, rank))
+        for other in ck.steps():  # every committed checkpoint is whole and verifies
+            ok = ok and digest(ck.load(step=other)) == digest(make_state(other))
+        print(f"restored {step} {'ok' if ok else 'MISMATCH'}", flush=True)
+    last = int(at) if crash_at else step + int(saves) if saves else None  # None: until the test kills the job
+    reported = None
+    while last is None or step < last:
+        step += 1
+        ck.save(make_state(step), step, make_local(step, rank))
+        if last is not None:  # one at a time: committed, `latest` written, retention done before the next save
+            ck.wait(retention=True)
+            dist.barrier()
+        done = [r.step for r in ck.records if r.committed]
+        if done and done[-1] != reported:
+            reported = done[-1]
+            print(f"committed {reported}", flush=True)
+    if crash_at:  # every instant of the save of `at` comes before the end of its wait, on any rank
+        print(f"CRASH_AT={crash_at}: the save of step {at} ended without reaching the instant", flush=True)
+        leave(1)
+    ck.close()
+
+
 def main() -> None:
     mode, root, out = sys.argv[1:4]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.set_num_threads(1)  # several ranks share 2 cores in tests
+    if mode == "crashloop":
+        crashloop(root, rank)
+        dist.destroy_process_group()
+        return
     ck = Checkpointer(root, comm=TorchDistComm(), keep_last=int(os.environ.get("KEEP_LAST", "3")))
     result: dict = {"rank": rank}
     if mode == "save":
@@ -139,25 +206,6 @@ def main() -> None:
                 saved.append(step)
         ck.wait()
         result["saved"] = saved
-    elif mode == "crashloop":
-        # Restart after a SIGKILL: check what was restored, then save every step until killed.
-        step = 0
-        latest = ck.latest_step()
-        if latest is not None:
-            state = ck.load()
-            ok = digest(state) == digest(make_state(latest)) and digest(ck.load_local()) == digest(make_local(latest, rank))
-            for other in ck.steps():  # every committed checkpoint is whole and verifies
-                ok = ok and digest(ck.load(step=other)) == digest(make_state(other))
-            print(f"restored {latest} {'ok' if ok else 'MISMATCH'}", flush=True)
-            step = latest
-        reported = None
-        while True:
-            step += 1
-            ck.save(make_state(step), step, make_local(step, rank))
-            done = [r.step for r in ck.records if r.committed]
-            if done and done[-1] != reported:
-                reported = done[-1]
-                print(f"committed {reported}", flush=True)
     elif mode == "soak":
         # Thousands of checkpoints against a deliberately slow storage: memory, threads and file
         # descriptors must stay flat; back-pressure skips or waits, never queues.
