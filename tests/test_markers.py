@@ -96,6 +96,7 @@ class Project:
         self.modules = {p.stem: load(p) for p in sorted(root.glob("*.py"))}
         self.owner = {f: m for m in self.modules.values() for f in [*m.functions, *m.classes]}
         self.why: dict[str, str] = {}
+        self._seen: dict[int, list[tuple[ast.Call, str]]] = {}
         changed = True
         while changed:  # to a fixed point: a function calling one that starts a process starts one
             changed = False
@@ -103,10 +104,12 @@ class Project:
                 if name not in self.why and (reason := self._starts(m, name)):
                     self.why[name], changed = reason, True
 
-    def _calls(self, m: Module, node: ast.AST, cls: str | None) -> Iterator[tuple[ast.Call, str]]:
-        for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
-            if (target := dotted(m, call.func, cls)) is not None:
-                yield call, target
+    def _calls(self, m: Module, node: ast.AST, cls: str | None) -> list[tuple[ast.Call, str]]:
+        """Every call in ``node`` with what it names (once per node: the fixed point asks again)."""
+        if (key := id(node)) not in self._seen:
+            self._seen[key] = [(call, target) for call in ast.walk(node) if isinstance(call, ast.Call)
+                               if (target := dotted(m, call.func, cls)) is not None]
+        return self._seen[key]
 
     def _starts(self, m: Module, name: str) -> str | None:
         if name in m.classes:  # making an object that can start processes
