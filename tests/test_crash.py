@@ -205,7 +205,7 @@ def test_crash_at_each_named_instant_and_a_seeded_sample(backend, tmp_path, requ
     storage = Storage(root)
     least: int | None = None  # what the next restart must restore: exactly (named kills), or at least
     for instant in named(backend):
-        s = (least or 0) + 3  # two saves of this incarnation committed first, their retention done
+        s = (least or 1) + 2  # a save of this incarnation committed first (`latest`, retention), s - 2 kept
         job = Job(root, tmp_path, {"CRASH_AT": f"{instant}:{s}"})
         codes = job.end()
         assert codes == [-9, -9], (instant, codes, job.output())  # every rank SIGKILLed
