@@ -1,6 +1,8 @@
 """Real multi-process jobs for the tests: gloo ranks of ``tests/dist_worker.py`` and their output.
 
-Shared by the integration and fault-injection tests (no test module imports another).
+Shared by the integration and fault-injection tests (no test module imports another). The ranks are
+forked from the test forkserver (``tests/forkserver.py``: torch and the project imported once);
+``torchrun`` agents are started as users start them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import tempfile
 import threading
 import time
 
+import forkserver
 from helpers import proc_stat
 
 WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
@@ -30,17 +33,17 @@ def free_port() -> int:
 
 
 def start_ranks(world: int, args: list[str], env_extra: dict | None = None,
-                worker: str = WORKER, rank_env: list[dict] | None = None) -> list[subprocess.Popen]:
-    """Start ``world`` ranks of ``worker`` (dist_worker.py) with ``args``, each in its own session
-    (killable as a group), with ``faulthandler`` on (a crash prints every thread's stack); ``rank_env[r]``:
-    more environment for rank ``r`` alone."""
+                worker: str = WORKER, rank_env: list[dict] | None = None) -> list[forkserver.Job | subprocess.Popen]:
+    """Start ``world`` ranks of ``worker`` (dist_worker.py) with ``args``, each a process in its own
+    session (killable as a group), forked from the test forkserver (``subprocess.Popen``'s interface,
+    stdout and stderr merged), with ``faulthandler`` on (a crash prints every thread's stack);
+    ``rank_env[r]``: more environment for rank ``r`` alone."""
     port = free_port()
     procs = []
     for rank in range(world):
         env = dict(os.environ, PYTHONFAULTHANDLER="1", RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), **(env_extra or {}), **(rank_env[rank] if rank_env else {}))
-        procs.append(subprocess.Popen([sys.executable, worker, *args], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, start_new_session=True))
+        procs.append(forkserver.launch([sys.executable, worker, *args], env=env))
     return procs
 
 
@@ -118,7 +121,7 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def kill_tree(proc: subprocess.Popen) -> None:
+def kill_tree(proc: forkserver.Job | subprocess.Popen) -> None:
     """SIGKILL the launcher and every descendant, each by pid (collected before any dies, so
     reparenting cannot hide one), and the process groups they lead."""
     pids = [proc.pid, *descendants(proc.pid)]

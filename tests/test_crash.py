@@ -199,7 +199,7 @@ class Job:
         return "\n".join(f"[{r}] {line}" for r in range(2) for line in self.lines[r][-40:])
 
 
-@pytest.mark.parametrize("backend", ["local", "s3"])
+@pytest.mark.parametrize("backend", ["local", pytest.param("s3", marks=pytest.mark.s3)])
 def test_crash_at_each_named_instant_and_a_seeded_sample(backend, tmp_path, request):
     root = f"{request.getfixturevalue('s3_url')}/crash" if backend == "s3" else str(tmp_path / "ck")
     storage = Storage(root)

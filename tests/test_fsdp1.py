@@ -9,7 +9,6 @@ holds the deprecated ``ShardedTensor``, which a save must refuse by key (never c
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -17,9 +16,10 @@ import torch
 
 from ckpt_engine import Checkpointer
 from helpers import assert_same
+import forkserver
 from ranks import start_ranks
 
-pytestmark = [pytest.mark.integration,
+pytestmark = [pytest.mark.integration, pytest.mark.slow,
               pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
                                  reason="torch.distributed with gloo is not available")]
 
@@ -33,8 +33,7 @@ def run(world: int, worker: str, *args: str) -> list[str]:
     """Run ``worker`` on ``world`` gloo ranks (or alone for ``sharded_worker``'s ``single`` layout); each
     rank must exit 0; returns every rank's output."""
     if world == 1 and args[1] == "single":
-        procs = [subprocess.Popen([sys.executable, worker, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True)]
+        procs = [forkserver.launch([sys.executable, worker, *args])]
     else:
         procs = start_ranks(world, list(args), ENV, worker=worker)
     outputs = []

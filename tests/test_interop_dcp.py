@@ -28,6 +28,7 @@ from ckpt_engine.errors import CheckpointError, MismatchError
 from ckpt_engine.interop.dcp import buckets, export_dcp
 from ckpt_engine.interop.dcp_import import import_dcp, read_dcp
 from helpers import assert_same
+import forkserver
 from ranks import start_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -194,8 +195,7 @@ def test_export_peak_memory_is_the_largest_tensor_plus_one_file(tmp_path):
 def run(world: int, worker: str, *args: str) -> None:
     """A job of ``world`` ranks of ``worker`` (``single`` layouts run alone, without torch.distributed)."""
     if args[1] == "single":
-        procs = [subprocess.Popen([sys.executable, worker, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, env=dict(os.environ, **ENV))]
+        procs = [forkserver.launch([sys.executable, worker, *args], env=dict(os.environ, **ENV))]
     else:
         procs = start_ranks(world, list(args), ENV, worker=worker)
     for p in procs:

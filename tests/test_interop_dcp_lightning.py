@@ -11,7 +11,6 @@ that ``dcp.load``-s it into the live model by hand, on 2 ranks (resharded DTenso
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -22,14 +21,16 @@ from ckpt_engine.errors import CheckpointError
 from ckpt_engine.interop.dcp_import import load_into
 from ckpt_engine.interop.dcp_lightning import layout, optimizer_by_ids
 
+import forkserver
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "dcp_lightning_worker.py")
 
 
 def job(out, tag: str, *args: str) -> dict:
     """Run one worker job to its end; rank 0's final state and the job's output."""
-    proc = subprocess.run([sys.executable, WORKER, str(out), tag, *args], capture_output=True, text=True, timeout=300,
-                          cwd=str(out), env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+    proc = forkserver.run([sys.executable, WORKER, str(out), tag, *args], cwd=str(out),
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     final = torch.load(out / f"final-{tag}.pt", weights_only=True)
     return {**final, "log": proc.stdout + proc.stderr}

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -34,6 +33,7 @@ from ckpt_engine.storage import Storage
 from ckpt_engine.testing import FailingStorage, GatedStorage
 from dist_worker import digest, make_local, make_state
 from helpers import assert_same
+import forkserver
 from ranks import free_port, kill_job, lines_of, next_line
 
 
@@ -257,13 +257,13 @@ def test_damage_on_level1_is_never_flushed(tmp_path):
 WORKER = os.path.join(os.path.dirname(__file__), "levels_worker.py")
 
 
-def start_job(mode: str, l1: str, l2: str, out, *extra: str, env: dict | None = None) -> list[subprocess.Popen]:
-    """Two ranks of ``levels_worker.py`` (gloo on loopback), each in its own session (for SIGKILL)."""
+def start_job(mode: str, l1: str, l2: str, out, *extra: str, env: dict | None = None) -> list[forkserver.Job]:
+    """Two ranks of ``levels_worker.py`` (gloo on loopback), each in its own session (for SIGKILL),
+    forked from the test forkserver."""
     port = free_port()
-    return [subprocess.Popen([sys.executable, WORKER, mode, l1, l2, str(out), *extra],
-                             env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                                      MASTER_PORT=str(port), **(env or {})),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return [forkserver.launch([sys.executable, WORKER, mode, l1, l2, str(out), *extra],
+                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                       MASTER_PORT=str(port), **(env or {})))
             for r in range(2)]
 
 
@@ -277,6 +277,7 @@ def run_job(mode: str, l1: str, l2: str, out, *extra: str, env: dict | None = No
     return [json.load(open(out / f"rank-{r}.json")) for r in range(2)]
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.parametrize("node_local", [False, True], ids=["shared-l1", "node-local-l1"])
 def test_two_ranks_local_level_then_s3(node_local, tmp_path, s3_url):
@@ -297,6 +298,7 @@ def test_two_ranks_local_level_then_s3(node_local, tmp_path, s3_url):
             assert r["local0"] == digest(make_local(6, 0))
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_two_ranks_stuck_level2_never_stalls_skips_counted_retention_right(tmp_path):
     # Level 2 held at its gate from step 1 to the last save on both ranks: every save committed on level 1
@@ -312,6 +314,7 @@ def test_two_ranks_stuck_level2_never_stalls_skips_counted_retention_right(tmp_p
     assert set(attempt_dirs(l2)) == {d for _, d in manifest_dirs(l2)}  # skipped flushes left nothing behind
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_sigkill_during_a_flush_never_shows_a_partial_checkpoint(tmp_path):
     l1, l2 = str(tmp_path / "l1"), str(tmp_path / "l2")

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 from ckpt_engine import Checkpointer
 from ckpt_engine.format.catalog import committed
+import forkserver
 from helpers import flip_local, proc_stat
 import lightning_jobs
 from lightning_jobs import WORKER, assert_bitwise, final, run, seen
@@ -60,8 +60,7 @@ def test_sigterm_to_a_two_rank_ddp_spawn_job_commits_a_final_checkpoint_and_resu
     ck = tmp_path / "ck"
     out = tmp_path
     out.mkdir(exist_ok=True)
-    proc = subprocess.Popen([sys.executable, WORKER, str(out), str(ck), "--sigterm-at", "22", "--tag", "term"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = forkserver.launch([sys.executable, WORKER, str(out), str(ck), "--sigterm-at", "22", "--tag", "term"])
     log = proc.communicate(timeout=300)[0]
     _wait_for_session_to_end(proc.pid)
     assert not (tmp_path / "final-term.pt").exists(), log[-3000:]  # training stopped at the signal

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 
@@ -23,9 +22,10 @@ import torch
 from ckpt_engine import Checkpointer
 from ckpt_engine.format.catalog import attempt_dirs, manifest_dirs, parse_dir
 from ckpt_engine.storage import Storage
+import forkserver
 from ranks import lines_of, next_line
 
-pytestmark = pytest.mark.integration  # real processes, killed at random instants
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # real processes, killed at random instants
 
 WORKER = os.path.join(os.path.dirname(__file__), "retention_worker.py")
 KEEP = 2
@@ -43,8 +43,7 @@ def test_keep_last_holds_after_restarts_and_random_kills(tmp_path):
     rng = random.Random(20240611)
     for first, commits in ROUNDS:
         before = _committed(root) if os.path.isdir(root) else []
-        proc = subprocess.Popen([sys.executable, WORKER, root, first], env=dict(os.environ, KEEP_LAST=str(KEEP)),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        proc = forkserver.launch([sys.executable, WORKER, root, first], env=dict(os.environ, KEEP_LAST=str(KEEP)))
         try:
             q = lines_of(proc)
             deadline = time.monotonic() + 60

@@ -27,9 +27,10 @@ import torch
 from ckpt_engine import Checkpointer
 from ckpt_engine.errors import CorruptionError
 from helpers import assert_same, assert_same_samples_once_per_epoch
+import forkserver
 from ranks import lines_of, next_line, start_ranks
 
-pytestmark = [pytest.mark.integration,
+pytestmark = [pytest.mark.integration, pytest.mark.slow,
               pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
                                  reason="torch.distributed with gloo is not available")]
 
@@ -40,8 +41,7 @@ ENV = {"OMP_NUM_THREADS": "1"}
 
 def run(world: int, *args: str) -> None:
     if world == 1 and args[1] == "single":
-        procs = [subprocess.Popen([sys.executable, WORKER, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True)]
+        procs = [forkserver.launch([sys.executable, WORKER, *args])]
     else:
         procs = start_ranks(world, list(args), ENV, worker=WORKER)
     for p in procs:
