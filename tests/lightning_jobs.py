@@ -11,11 +11,15 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
+import forkserver
 import pytest
 import torch
 
 WORKER = os.path.join(os.path.dirname(__file__), "lightning_worker.py")
+TORCHRUN = (None, "fsdp2", "fsdp2_tp")
+"""The worker's ``--strategy`` values (``None``: not given) whose jobs :func:`run` launches as torchrun does."""
 FLAVOURS = ("lightning", "pytorch_lightning")
 
 
@@ -104,13 +108,64 @@ def lightning_module(flavour):
     return importlib.import_module("lightning.pytorch" if flavour == "lightning" else "pytorch_lightning")
 
 
+def _value(args: tuple, flag: str, default: str) -> str:
+    """The value of ``flag`` in a worker's arguments (the last one given), else ``default``."""
+    found = [args[i + 1] for i, a in enumerate(args[:-1]) if a == flag]
+    return found[-1] if found else default
+
+
 def run(out, ckpt, *args, expect_rc=0) -> subprocess.CompletedProcess:
+    """Run the job ``lightning_worker.py OUT CKPT ARGS`` to its end, its exit status ``expect_rc`` unless that
+    is ``None``.
+
+    A job of several devices that names no ``--strategy`` (it runs under ``strategy="ddp"``), or names
+    ``fsdp2`` or ``fsdp2_tp``, runs as users launch those with ``torchrun``: one process per rank, each
+    leading a session of its own, with torchrun's environment (``RANK``, ``LOCAL_RANK``, ``GROUP_RANK``,
+    ``LOCAL_WORLD_SIZE``, ``TORCHELASTIC_RUN_ID``...), so that Lightning starts no process itself; the
+    ranks are forked from the test forkserver (Lightning imported once per test process, not once per
+    rank). A job that names another strategy (``ddp_spawn``: Lightning's spawn, which pickles the module
+    and the callback into fresh interpreters; ``ddp``, ``fsdp1``: Lightning's script launcher) or runs on one
+    device is one process forked from the forkserver, which starts the other ranks as Lightning does. The result's ``stdout`` holds every rank's
+    output and ``returncode`` the first non-zero exit status in rank order."""
     out.mkdir(exist_ok=True)
-    proc = subprocess.run([sys.executable, WORKER, str(out), str(ckpt), *args], capture_output=True, text=True,
-                          timeout=300, start_new_session=True)
+    devices, nodes = int(_value(args, "--devices", "2")), int(_value(args, "--nodes", "1"))
+    strategy = _value(args, "--strategy", "") if "--strategy" in args else None
+    cmd = [sys.executable, WORKER, str(out), str(ckpt), *args]
+    if devices > 1 and nodes == 1 and strategy in TORCHRUN:
+        proc = _torchrun_like(cmd + (["--strategy", "ddp"] if strategy is None else []), devices)
+    else:
+        proc = forkserver.run(cmd, timeout=300)
     if expect_rc is not None:
-        assert proc.returncode == expect_rc, proc.stdout[-3000:] + proc.stderr[-5000:]
+        assert proc.returncode == expect_rc, proc.stdout[-8000:] + proc.stderr[-5000:]
     return proc
+
+
+def _torchrun_like(cmd: list[str], world: int) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node WORLD`` of ``cmd``'s script, as far as its ranks see it (one node)."""
+    from ranks import kill_job, start_ranks
+
+    env = [{"LOCAL_RANK": str(r), "GROUP_RANK": "0", "ROLE_RANK": str(r), "LOCAL_WORLD_SIZE": str(world),
+            "ROLE_WORLD_SIZE": str(world), "GROUP_WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "test"}
+           for r in range(world)]
+    procs = start_ranks(world, cmd[2:], worker=cmd[1], rank_env=env)
+    outputs: dict[int, str] = {}
+    deadline, failed = time.monotonic() + 300, None
+    try:
+        while len(outputs) < world:
+            for r, p in enumerate(procs):
+                if r not in outputs:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        outputs[r] = p.communicate(timeout=0.1)[0]
+            if failed is None and any(procs[r].returncode for r in outputs):
+                failed = time.monotonic()  # the others get 60 s to end of it, as torchrun's agent would stop them
+            if time.monotonic() > min(deadline, failed + 60 if failed else deadline):
+                kill_job(procs)
+                deadline = failed = float("inf")
+    finally:
+        kill_job(procs)  # DataLoader workers left behind, or this test failed
+    codes = [p.returncode for p in procs]
+    return subprocess.CompletedProcess(cmd, next((c for c in codes if c), 0),
+                                       "".join(f"[rank {r}]\n{outputs[r]}" for r in range(world)), "")
 
 
 def seen(out, tag, rank) -> list[dict]:

@@ -1,4 +1,5 @@
-"""A small real Lightning job for the integration tests (CPU, 1 or 2 ranks with ddp_spawn).
+"""A small real Lightning job for the integration tests (CPU, 1 to 4 ranks; ``ddp_spawn`` unless
+``--strategy`` says otherwise; launched outside, as torchrun does, when ``RANK`` and ``LOCAL_RANK`` are set).
 
 Usage: ``python lightning_worker.py OUT CKPT [--devices 2] [--workers 0] [--max-steps 40]
 [--every 5] [--kill-at K] [--sigterm-at K] [--tag NAME] [--ckpt-path PATH] [--model-checkpoint]
@@ -95,10 +96,10 @@ class Net(pl.LightningModule):
             # a loaded machine a commit can take longer than the steps between it and the kill (seen:
             # step 16's commit still pending at step 22). Kills at any instant: test_crash.py.
             next(c for c in self.trainer.callbacks if isinstance(c, AsyncShardedCheckpoint)).session.ck.wait()
-            os.killpg(os.getpgid(0), signal.SIGKILL)  # the whole job, mid-epoch
+            signal_job(self.args, signal.SIGKILL)  # the whole job, mid-epoch
         if self.global_rank == 0 and step == self.args.sigterm_at:
             if self.trainer.world_size > 1:
-                os.killpg(os.getpgid(0), signal.SIGTERM)  # what a scheduler sends: every process of the job
+                signal_job(self.args, signal.SIGTERM)  # what a scheduler sends: every process of the job
             else:
                 os.kill(os.getpid(), signal.SIGTERM)
 
@@ -200,6 +201,22 @@ class ShardedNet(Net):
         return {"model": model, "optimizer": optim}
 
 
+def pid_file(args: argparse.Namespace, rank: int) -> str:
+    """Where an externally launched rank writes its process id (``OUT/pid-TAG-rankR``)."""
+    return os.path.join(args.out, f"pid-{args.tag}-rank{rank}")
+
+
+def signal_job(args: argparse.Namespace, sig: int) -> None:
+    """Send ``sig`` to every process of the job, as a scheduler does: the job's process group when Lightning
+    started the ranks (they share it); when they were launched outside, as ``torchrun`` launches them (each
+    leads a group of its own, with its DataLoader workers), the other ranks' groups first, then its own."""
+    if args.external:
+        for rank in range(1, int(os.environ["WORLD_SIZE"])):
+            with open(pid_file(args, rank)) as f:
+                os.killpg(int(f.read()), sig)  # written before torch.distributed started: there by the first step
+    os.killpg(os.getpgid(0), sig)
+
+
 def strategy(args: argparse.Namespace):
     """The trainer's strategy for ``--strategy`` (and ``--ddp-on-one``)."""
     if args.strategy == "fsdp2":
@@ -247,6 +264,12 @@ def main() -> None:
     p.add_argument("--early-stopping", action="store_true", help="EarlyStopping on val_loss (patience 10; with --val)")
     p.add_argument("--every-rank", action="store_true", help="every rank writes OUT/final-<tag>-rank<r>.pt")
     args = p.parse_args()
+    # Launched outside, as torchrun launches ranks (tests/lightning_jobs.py): RANK and LOCAL_RANK set before the
+    # start (Lightning's own launchers set no RANK); each rank says where its process group is.
+    args.external = "RANK" in os.environ and "LOCAL_RANK" in os.environ
+    if args.external:
+        with open(pid_file(args, int(os.environ["RANK"])), "w") as f:
+            f.write(str(os.getpgid(0)))
     pl.seed_everything(1234, workers=True)
     where = {"levels": [args.ckpt, args.level2]} if args.level2 else {"dirpath": args.ckpt}
     if args.memory:

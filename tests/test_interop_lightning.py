@@ -3,7 +3,7 @@ and ``fit(ckpt_path="last")`` beside ``ModelCheckpoint``, chosen for exactness (
 
 Real tools on both sides: Lightning's ``Trainer`` fits, ``LightningModule.load_from_checkpoint`` and
 ``fit(ckpt_path=...)`` read what the export wrote, the callback resumes from what the import wrote, and a
-2-rank job (``ddp_spawn``) killed at step 23 resumes with ``ckpt_path="last"``."""
+2-rank ``ddp`` job (launched as torchrun does) killed at step 23 resumes with ``ckpt_path="last"``."""
 
 from __future__ import annotations
 

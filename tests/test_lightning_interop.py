@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ckpt_engine import Checkpointer
+import forkserver
 import lightning_jobs
 from lightning_jobs import assert_bitwise, final, lightning_module, run
 
@@ -53,9 +54,10 @@ EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples")
 
 
 def cli(cwd, *args, config: str = "lightning_cli.yaml") -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, os.path.join(EXAMPLE, "lightning_train.py"), "fit", "--config",
-                           os.path.join(EXAMPLE, config), *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=300)
+    """``python examples/lightning_train.py fit --config examples/CONFIG ARGS`` in ``cwd`` (forked from the test
+    forkserver; the YAML's ``ddp_spawn`` starts its ranks as fresh interpreters)."""
+    return forkserver.run([sys.executable, os.path.join(EXAMPLE, "lightning_train.py"), "fit", "--config",
+                           os.path.join(EXAMPLE, config), *args], cwd=str(cwd), timeout=300)
 
 
 def test_lightning_cli_with_the_example_yaml_fits_writes_and_resumes(tmp_path):

@@ -1,4 +1,5 @@
-"""The Lightning callback with a real Trainer on CPU, killed and resumed: 2 ranks with ddp_spawn on gloo,
+"""The Lightning callback with a real Trainer on CPU, killed and resumed: 2 ranks under ``ddp`` on gloo,
+launched as torchrun launches them (tests/lightning_jobs.py; ``ddp_spawn``: test_ddp_exact, test_lightning_failures),
 SIGKILL mid-epoch, bit-identical resume, every sample of an epoch exactly once (also with torchdata's
 StatefulDataLoader, on another number of devices, and with epoch schedulers and validation)."""
 
