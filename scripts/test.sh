@@ -8,12 +8,12 @@ bash scripts/setup_env.sh
 
 # OMP_NUM_THREADS is deliberately not set here: the tests manage it themselves.
 # no:cacheprovider keeps .pytest_cache out of the tree; --durations=20 lists the slowest tests
-# (CI's limit is 90 minutes, the aim under 25: see which tests to trim).
+# (CI's limit is 90 minutes, the aim under 15: see which tests to trim).
 # Two pytest-xdist workers, a test module per worker at a time (--dist loadfile: the module-scoped
 # fixtures, e.g. the S3 server, are made once per module, as in one process), the modules marked slow
-# handed out first (tests/conftest.py orders them; --no-loadscope-reorder keeps that order). Run
-# serially, the 2-core machine was busy 60 % of the time (a Lightning job spends most of its first
-# seconds importing, on one core): 35 minutes, against 27-33 with two workers (busy ~80 %).
+# handed out first (tests/conftest.py orders them; --no-loadscope-reorder keeps that order). The jobs
+# the tests start are forked from tests/forkserver.py's server (torch and Lightning imported once per
+# worker). 10 min 34 s on 2 cores (2026-11-28), busy ~83 % of the time.
 # TEST_WORKERS=0 runs it in one process; -n/--dist passed to this script win over these.
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
