@@ -125,8 +125,9 @@ def run(out, ckpt, *args, expect_rc=0) -> subprocess.CompletedProcess:
     ranks are forked from the test forkserver (Lightning imported once per test process, not once per
     rank). A job that names another strategy (``ddp_spawn``: Lightning's spawn, which pickles the module
     and the callback into fresh interpreters; ``ddp``, ``fsdp1``: Lightning's script launcher) or runs on one
-    device is one process forked from the forkserver, which starts the other ranks as Lightning does. The result's ``stdout`` holds every rank's
-    output and ``returncode`` the first non-zero exit status in rank order."""
+    device is one process forked from the forkserver, which starts the other ranks as Lightning does. The
+    result's ``stdout`` holds every rank's output and ``returncode`` the first non-zero exit status in rank
+    order."""
     out.mkdir(exist_ok=True)
     devices, nodes = int(_value(args, "--devices", "2")), int(_value(args, "--nodes", "1"))
     strategy = _value(args, "--strategy", "") if "--strategy" in args else None
@@ -142,30 +143,36 @@ def run(out, ckpt, *args, expect_rc=0) -> subprocess.CompletedProcess:
 
 def _torchrun_like(cmd: list[str], world: int) -> subprocess.CompletedProcess:
     """``torchrun --nproc-per-node WORLD`` of ``cmd``'s script, as far as its ranks see it (one node)."""
-    from ranks import kill_job, start_ranks
+    from ranks import kill_job, start_ranks, torchrun_env
 
-    env = [{"LOCAL_RANK": str(r), "GROUP_RANK": "0", "ROLE_RANK": str(r), "LOCAL_WORLD_SIZE": str(world),
-            "ROLE_WORLD_SIZE": str(world), "GROUP_WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "test"}
-           for r in range(world)]
-    procs = start_ranks(world, cmd[2:], worker=cmd[1], rank_env=env)
-    outputs: dict[int, str] = {}
-    deadline, failed = time.monotonic() + 300, None
+    procs = start_ranks(world, cmd[2:], worker=cmd[1], rank_env=torchrun_env(1, world))
     try:
-        while len(outputs) < world:
-            for r, p in enumerate(procs):
-                if r not in outputs:
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        outputs[r] = p.communicate(timeout=0.1)[0]
-            if failed is None and any(procs[r].returncode for r in outputs):
-                failed = time.monotonic()  # the others get 60 s to end of it, as torchrun's agent would stop them
-            if time.monotonic() > min(deadline, failed + 60 if failed else deadline):
-                kill_job(procs)
-                deadline = failed = float("inf")
+        outputs = _outputs(procs, timeout=300, grace=60)
     finally:
         kill_job(procs)  # DataLoader workers left behind, or this test failed
     codes = [p.returncode for p in procs]
     return subprocess.CompletedProcess(cmd, next((c for c in codes if c), 0),
-                                       "".join(f"[rank {r}]\n{outputs[r]}" for r in range(world)), "")
+                                       "".join(f"[rank {r}]\n{out}" for r, out in enumerate(outputs)), "")
+
+
+def _outputs(procs: list, timeout: float, grace: float) -> list[str]:
+    """Each rank's output once every rank has ended. Once one rank failed, the others get ``grace``
+    seconds to end of it (as torchrun's agent stops them), and the job ``timeout`` seconds in all; then
+    the ranks still running are SIGKILLed."""
+    from ranks import kill_job
+
+    outputs: dict[int, str] = {}
+    stop_at = time.monotonic() + timeout
+    while len(outputs) < len(procs):
+        for r, p in enumerate(procs):
+            if r not in outputs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    outputs[r] = p.communicate(timeout=0.1)[0]
+        if any(procs[r].returncode for r in outputs):
+            stop_at = min(stop_at, time.monotonic() + grace)
+        if time.monotonic() > stop_at:
+            kill_job([p for r, p in enumerate(procs) if r not in outputs])
+    return [outputs[r] for r in range(len(procs))]
 
 
 def seen(out, tag, rank) -> list[dict]:

@@ -47,6 +47,17 @@ def start_ranks(world: int, args: list[str], env_extra: dict | None = None,
     return procs
 
 
+def torchrun_env(nodes: int, per_node: int) -> list[dict]:
+    """What ``torchrun --nnodes NODES --nproc-per-node PER_NODE`` adds to each rank's environment beside
+    ``RANK``, ``WORLD_SIZE`` and ``MASTER_*`` (which :func:`start_ranks` sets), by rank: rank ``r`` on
+    node ``r // per_node``. With it, Lightning takes the ranks as launched outside
+    (``TorchElasticEnvironment``) and the memory level finds each rank's node (``GROUP_RANK``)."""
+    world = nodes * per_node
+    return [{"LOCAL_RANK": str(r % per_node), "GROUP_RANK": str(r // per_node), "ROLE_RANK": str(r),
+             "LOCAL_WORLD_SIZE": str(per_node), "ROLE_WORLD_SIZE": str(world), "GROUP_WORLD_SIZE": str(nodes),
+             "TORCHELASTIC_RUN_ID": "test"} for r in range(world)]
+
+
 def run_ranks(world: int, mode: str, root: str, out, *extra: str, env: dict | None = None,
               rank_env: list[dict] | None = None) -> list[dict]:
     """Run a job to its end (each rank must exit 0) and return every rank's ``rank-N.json`` from ``out``

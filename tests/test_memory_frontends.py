@@ -20,18 +20,17 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from helpers import assert_same  # noqa: E402
-from ranks import kill_tree, start_ranks, torchrun_nodes  # noqa: E402
+from ranks import kill_tree, start_ranks, torchrun_env, torchrun_nodes  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 LIGHTNING_WORKER = os.path.join(os.path.dirname(__file__), "lightning_worker.py")
 
 
 def _lightning_ranks(out, ckpt, mem, nodes: int, per_node: int, *args: str, tag: str) -> list:
-    """``nodes * per_node`` externally launched ranks of lightning_worker.py:
+    """``nodes * per_node`` ranks of lightning_worker.py launched as torchrun launches them:
     ``Trainer(num_nodes=nodes, devices=per_node, strategy="ddp")``, rank ``r`` on node ``r // per_node``
-    (``GROUP_RANK``: what torchrun sets, read by Lightning and by the memory level)."""
-    env = [{"LOCAL_RANK": str(r % per_node), "GROUP_RANK": str(r // per_node), "NODE_RANK": str(r // per_node),
-            "LOCAL_WORLD_SIZE": str(per_node)} for r in range(nodes * per_node)]
+    (``GROUP_RANK``: read by Lightning and by the memory level)."""
+    env = torchrun_env(nodes, per_node)
     return start_ranks(nodes * per_node, [str(out), str(ckpt), "--devices", str(per_node), "--nodes", str(nodes),
                                           "--strategy", "ddp", "--memory", str(mem), "--tag", tag, "--every", "3",
                                           *args], worker=LIGHTNING_WORKER, rank_env=env)
