@@ -1,6 +1,8 @@
-"""A rank of tests/test_horovod_dcp.py, under ``horovodrun``: a model built from another seed than the
-DCP checkpoint's, ``HorovodCheckpointer.restore_dcp()`` of it, two more steps on the same batch on every
-rank, and the weights and Adam moments dumped (``--out``, rank 0) or an error's message (``--expect-error``)."""
+"""A rank of tests/test_horovod_dcp.py, under ``horovodrun``. For each ``--case``, in order: a model
+built from another seed than the DCP checkpoint's (``wide``: with a first layer of another shape),
+``HorovodCheckpointer.restore_dcp()`` of it into ``ROOT/CASE``, two more steps on the same batch on every
+rank, and the weights and Adam moments dumped (``--out``, rank 0), or the error every rank raised
+printed (restore errors are agreed by all ranks, so the next case starts together)."""
 
 from __future__ import annotations
 
@@ -38,29 +40,36 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int) 
         optimizer.step()
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--dcp", required=True)
-    p.add_argument("--root", required=True)
-    p.add_argument("--out")
-    p.add_argument("--wide", action="store_true", help="a model whose first layer has another shape")
-    a = p.parse_args()
-    hvd.init()
-    torch.set_num_threads(1)
-    model, base = make(seed=100 + hvd.rank(), wide=a.wide)
+def restore(root: str, dcp_dir: str, wide: bool, out: str | None) -> None:
+    """One case: restore the DCP checkpoint, train two steps, dump or print what came of it."""
+    model, base = make(seed=100 + hvd.rank(), wide=wide)
     optimizer = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
-    ck = HorovodCheckpointer(a.root, model=model, optimizer=optimizer, final_checkpoint=False)
+    ck = HorovodCheckpointer(root, model=model, optimizer=optimizer, final_checkpoint=False)
     try:
-        step = ck.restore_dcp(a.dcp)
+        step = ck.restore_dcp(dcp_dir)
     except Exception as e:  # every rank raises the same error
         print(f"rank {hvd.rank()} error: {type(e).__name__}: {e}", flush=True)
         ck.close()
         return
     train(model, optimizer, 2)
     ck.close()
-    if hvd.rank() == 0 and a.out:
-        torch.save({"step": step, "model": model.state_dict(), "optim": optimizer.state_dict()}, a.out)
+    if hvd.rank() == 0 and out:
+        torch.save({"step": step, "model": model.state_dict(), "optim": optimizer.state_dict()}, out)
     print(f"rank {hvd.rank()} step {step}", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dcp", required=True)
+    p.add_argument("--root", required=True)
+    p.add_argument("--out")
+    p.add_argument("--case", action="append", choices=["same", "wide"], default=[],
+                   help="same: the checkpoint's model; wide: a first layer of another shape (refused)")
+    a = p.parse_args()
+    hvd.init()
+    torch.set_num_threads(1)
+    for case in a.case:
+        restore(os.path.join(a.root, case), a.dcp, case == "wide", a.out if case == "same" else None)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
 """Rank processes for tests/test_horovod.py, started under ``horovodrun``.
 
-``restore``: build the example's model, optimizer and sampler on however many ranks there are,
-``restore()`` a checkpoint written by another number of ranks, and dump what each rank holds:
-its state and the indices its sampler yields for the rest of the interrupted epoch.
+``restore``: for each ``--case NAME:ROUTE:DIR``, in order, build the example's model, optimizer and
+sampler on however many ranks there are, ``restore()`` the checkpoint in DIR (written by another number
+of ranks) by ROUTE, and dump what each rank holds to ``NAME-rank{r}-of{n}.pt``: its state and the
+indices its sampler yields for the rest of the interrupted epoch, or the error every rank raised
+(restore errors are agreed by all ranks, so one case failing leaves the next ones to run). One
+``horovodrun`` so checks several restores without paying its start for each.
 
 ``elastic``: an ``hvd.elastic.run`` job with :class:`~horovod_ckpt.DurableTorchState`; every
 batch is committed (and so checkpointed). It dumps its weights when ``train`` first starts (after
@@ -39,23 +42,30 @@ from horovod_ckpt import HorovodCheckpointer  # noqa: E402
 
 
 def restore(args: argparse.Namespace) -> None:
-    ex = horovod_train.parse_args(["--ckpt-dir", args.ckpt_dir])
-    sampler, _, model, optimizer, scheduler = horovod_train.build(ex)
-    if args.restore_route == "exchange":
-        import ckpt_engine.load.exchange as exchange
-        exchange.MIN_PIECE = 4096  # the example's tensors are small: exchange all but the tiniest
-    ck = HorovodCheckpointer(args.ckpt_dir, model=model, optimizer=optimizer, sampler=sampler,
-                             scheduler=scheduler, final_checkpoint=False, restore_route=args.restore_route)
-    step = ck.restore()
-    figures = ck.ck.restore_figures
-    sampler.set_epoch(ck.epoch)
-    rest = list(sampler)
-    ck.close()
-    torch.save({"step": step, "epoch": ck.epoch, "samples_in_epoch": ck.samples_in_epoch, "rest": rest,
-                "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "world": hvd.size(),
-                "received": figures.received_bytes if figures else 0},
-               os.path.join(args.out, f"restore-rank{hvd.rank()}-of{hvd.size()}.pt"))
+    import ckpt_engine.load.exchange as exchange
+
+    default_piece = exchange.MIN_PIECE
+    for case in args.case:
+        name, route, ckpt_dir = case.split(":", 2)
+        ex = horovod_train.parse_args(["--ckpt-dir", ckpt_dir])
+        sampler, _, model, optimizer, scheduler = horovod_train.build(ex)
+        # the example's tensors are small: with the exchange route, exchange all but the tiniest
+        exchange.MIN_PIECE = 4096 if route == "exchange" else default_piece
+        ck = HorovodCheckpointer(ckpt_dir, model=model, optimizer=optimizer, sampler=sampler,
+                                 scheduler=scheduler, final_checkpoint=False, restore_route=route)
+        try:
+            step = ck.restore()
+        except Exception as e:  # every rank raises the same error: the next case starts together
+            result = {"error": f"{type(e).__name__}: {e}"}
+        else:
+            figures = ck.ck.restore_figures
+            sampler.set_epoch(ck.epoch)
+            result = {"step": step, "epoch": ck.epoch, "samples_in_epoch": ck.samples_in_epoch,
+                      "rest": list(sampler), "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                      "scheduler": scheduler.state_dict(), "world": hvd.size(),
+                      "received": figures.received_bytes if figures else 0}
+        ck.close()
+        torch.save(result, os.path.join(args.out, f"{name}-rank{hvd.rank()}-of{hvd.size()}.pt"))
 
 
 def elastic(args: argparse.Namespace) -> None:
@@ -156,14 +166,15 @@ def _dump(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["restore", "elastic", "hparams", "fault"])
-    p.add_argument("--ckpt-dir", required=True)
+    p.add_argument("--ckpt-dir", help="every mode but restore (which names its directories in --case)")
     p.add_argument("--out", required=True)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batches", type=int, default=4)
     p.add_argument("--step-delay", type=float, default=0.0)
     p.add_argument("--memory", default=None, help="elastic: a memory level in this directory before --ckpt-dir")
     p.add_argument("--phase", choices=["save", "restore"], default="save")
-    p.add_argument("--restore-route", choices=["auto", "read", "exchange"], default=None)
+    p.add_argument("--case", action="append", default=[], metavar="NAME:ROUTE:DIR",
+                   help="restore: one restore of the checkpoint in DIR by ROUTE (auto, read or exchange)")
     p.add_argument("--modes", default="checkpoint")
     p.add_argument("--fail", choices=["latest", "load"], default="latest")
     args = p.parse_args()

@@ -311,19 +311,41 @@ def test_valid_yaml_config_drives_the_hook(two_rank_checkpoint):
     assert committed_steps(two_rank_checkpoint / "ck") == [5, 10]
 
 
+@pytest.fixture(scope="module")
+def restored(two_rank_checkpoint, tmp_path_factory):
+    """The 2-rank checkpoint restored by 1 rank, then by 3 ranks in one ``horovodrun`` three times:
+    by the auto route, by the exchange route, and from a copy whose rank 1 section of step 10 is
+    damaged. Returns the directory of what each rank dumped, ``NAME-rank{r}-of{n}.pt``."""
+    from helpers import flip_local
+
+    out = tmp_path_factory.mktemp("hvd-restored")
+    intact = two_rank_checkpoint / "ck"
+    damaged = shutil.copytree(intact, out / "damaged")
+    flip_local(str(damaged), sorted(p for p in os.listdir(damaged) if p.startswith("step-000000000010"))[-1], 1)
+    run(1, WORKER, "restore", "--case", f"auto:auto:{intact}", "--out", str(out))
+    run(3, WORKER, "restore", "--case", f"auto:auto:{intact}", "--case", f"exchange:exchange:{intact}",
+        "--case", f"damaged:auto:{damaged}", "--out", str(out))
+    return out
+
+
+def restored_state(out: Path, name: str, rank: int, np: int) -> dict:
+    got = torch.load(out / f"{name}-rank{rank}-of{np}.pt", weights_only=False)
+    assert "error" not in got, f"rank {rank} of {np}, case {name}: {got.get('error')}"
+    return got
+
+
 @needs_horovod
 @job
 @pytest.mark.parametrize("np, route", [(1, "auto"), (3, "auto"), (3, "exchange")])
-def test_restore_a_two_rank_checkpoint_on_another_number_of_ranks(two_rank_checkpoint, tmp_path, np, route):
+def test_restore_a_two_rank_checkpoint_on_another_number_of_ranks(two_rank_checkpoint, restored, np, route):
     """``exchange``: each rank reads a share, Horovod's broadcast brings the rest (load/exchange.py)."""
     d = two_rank_checkpoint
-    run(np, WORKER, "restore", "--ckpt-dir", str(d / "ck"), "--out", str(tmp_path), "--restore-route", route)
     written = [load_final(d / "out", r) for r in (0, 1)]
     seen = {i for r in (0, 1) for row in steps_logged(d / "log", r).values() if row["epoch"] == 1 for i in row["ids"]}
     assert len(seen) == 2 * 2 * 8  # 2 steps of epoch 1 on 2 ranks
     rest: list[int] = []
     for rank in range(np):
-        got = torch.load(tmp_path / f"restore-rank{rank}-of{np}.pt", weights_only=False)
+        got = restored_state(restored, route, rank, np)
         assert (got["step"], got["epoch"], got["samples_in_epoch"], got["world"]) == (10, 1, 32, np)
         assert (got["received"] > 0) == (route == "exchange")
         writer = written[rank] if rank < 2 else written[0]  # per-rank buffers: own writer's, else rank 0's
@@ -374,18 +396,25 @@ def test_sigterm_takes_a_final_checkpoint_at_the_same_step_on_every_rank(tmp_pat
         assert max(steps_logged(tmp_path / "log", rank)) in (steps[0] - 1, steps[0])
 
 
+@pytest.fixture(scope="module")
+def elastic_reference(tmp_path_factory):
+    """The elastic job of both tests below, 3 epochs of 4 batches on 2 ranks, never interrupted: its
+    final weights are where an interrupted job must end, whichever levels it checkpoints to."""
+    ref = tmp_path_factory.mktemp("hvd-elastic-ref")
+    run(2, WORKER, "elastic", "--ckpt-dir", str(ref / "ck"), "--epochs", "3", "--batches", "4", "--out", str(ref),
+        elastic_dir=ref)
+    return ref
+
+
 @needs_horovod
 @job
-def test_elastic_job_with_a_memory_level_resumes_from_memory_when_the_disk_is_lost(tmp_path):
+def test_elastic_job_with_a_memory_level_resumes_from_memory_when_the_disk_is_lost(elastic_reference, tmp_path):
     """``DurableTorchState(levels=[memory, disk])`` under ``hvd.elastic.run``: every process SIGKILLed,
     the disk level deleted; the restarted job finds its checkpoints in the node's memory, resumes from
     the newest, and ends where the uninterrupted job ended, bit for bit; its clean end frees the memory."""
     mem = tmp_path / "mem"
     args = ["elastic", "--ckpt-dir", str(tmp_path / "ck"), "--epochs", "3", "--batches", "4", "--memory", str(mem)]
-    ref = tmp_path / "ref"
-    ref.mkdir()
-    run(2, WORKER, "elastic", "--ckpt-dir", str(ref / "ck"), "--epochs", "3", "--batches", "4", "--out", str(ref),
-        elastic_dir=ref)
+    ref = elastic_reference
 
     def in_memory() -> list[int]:  # steps both ranks committed in memory
         steps = [{int(p.parent.name.split("-")[1]) for p in mem.glob(f"elastic/node-*/rank-0000{r}/step-*/rank-commit.json")}
@@ -409,11 +438,9 @@ def test_elastic_job_with_a_memory_level_resumes_from_memory_when_the_disk_is_lo
 
 @needs_horovod
 @job
-def test_elastic_job_commits_durably_and_resumes_after_a_restart(tmp_path):
+def test_elastic_job_commits_durably_and_resumes_after_a_restart(elastic_reference, tmp_path):
     args = ["elastic", "--ckpt-dir", str(tmp_path / "ck"), "--epochs", "3", "--batches", "4"]
-    ref = tmp_path / "ref"
-    ref.mkdir()
-    run(2, WORKER, *args[:2], str(ref / "ck"), *args[3:], "--out", str(ref), elastic_dir=ref)
+    ref = elastic_reference
 
     job = launch(2, WORKER, *args, "--out", str(tmp_path / "a"), "--step-delay", "0.2", elastic_dir=tmp_path)
     wait_until(lambda: committed_steps(tmp_path / "ck") and max(committed_steps(tmp_path / "ck")) >= 6, job)
@@ -642,16 +669,9 @@ def test_a_restore_failure_on_one_rank_is_raised_on_every_rank(two_rank_checkpoi
 
 @needs_horovod
 @job
-def test_restore_falls_back_past_a_checkpoint_whose_per_rank_section_is_damaged(two_rank_checkpoint, tmp_path):
-    """#14 item 3 in the front end: rank 1's per-rank section of step 10 is damaged; both ranks
-    resume from step 5, the newest checkpoint that verifies on every rank."""
-    import shutil
-
-    from helpers import flip_local
-
-    ck = shutil.copytree(two_rank_checkpoint / "ck", tmp_path / "ck")
-    newest = sorted(p for p in os.listdir(ck) if p.startswith("step-000000000010"))[-1]
-    flip_local(str(ck), newest, 1)
-    run(2, WORKER, "restore", "--ckpt-dir", str(ck), "--out", str(tmp_path))
-    for rank in (0, 1):
-        assert torch.load(tmp_path / f"restore-rank{rank}-of2.pt", weights_only=False)["step"] == 5
+def test_restore_falls_back_past_a_checkpoint_whose_per_rank_section_is_damaged(restored):
+    """#14 item 3 in the front end: rank 1's per-rank section of step 10 of a 2-rank checkpoint is
+    damaged; the 3 ranks restoring it resume from step 5, the newest checkpoint that verifies on every
+    rank (the third restore of the ``restored`` job, after two of the intact checkpoint)."""
+    for rank in range(3):
+        assert restored_state(restored, "damaged", rank, 3)["step"] == 5

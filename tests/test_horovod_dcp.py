@@ -28,10 +28,20 @@ def _saved(tmp_path) -> str:
     return src
 
 
-@job
-def test_horovod_starts_from_a_dcp_checkpoint_bit_for_bit(tmp_path):
+@pytest.fixture(scope="module")
+def restored(tmp_path_factory) -> tuple:
+    """One 2-rank ``horovodrun``: a model of another shape refused, then the checkpoint's model
+    restored and trained two steps. Returns the DCP directory, the job's output and its dump."""
+    tmp_path = tmp_path_factory.mktemp("hvd-dcp")
     src = _saved(tmp_path)
-    out = run(2, WORKER_DCP, "--dcp", src, "--root", str(tmp_path / "ck"), "--out", str(tmp_path / "got.pt"))
+    out = run(2, WORKER_DCP, "--dcp", src, "--root", str(tmp_path / "ck"), "--out", str(tmp_path / "got.pt"),
+              "--case", "wide", "--case", "same")
+    return src, out, tmp_path / "got.pt"
+
+
+@job
+def test_horovod_starts_from_a_dcp_checkpoint_bit_for_bit(restored):
+    src, out, dump = restored
     assert "rank 0 step 5" in out and "rank 1 step 5" in out, out[-3000:]
     assert "started from the DCP checkpoint" in out and "the optimizer from 'optim'" in out, out[-3000:]
     model, optimizer = make(seed=1)  # the direct path: dcp.load into a fresh model, then the same two steps
@@ -40,7 +50,7 @@ def test_horovod_starts_from_a_dcp_checkpoint_bit_for_bit(tmp_path):
     model.load_state_dict(state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"])
     train(model, optimizer, 2)
-    got = torch.load(str(tmp_path / "got.pt"), weights_only=True)
+    got = torch.load(str(dump), weights_only=True)
     assert got["step"] == 5
     for name, tensor in model.state_dict().items():
         assert torch.equal(got["model"][name], tensor), name
@@ -52,9 +62,8 @@ def test_horovod_starts_from_a_dcp_checkpoint_bit_for_bit(tmp_path):
 
 
 @job
-def test_a_model_of_another_shape_is_refused_on_every_rank_naming_the_key(tmp_path):
-    src = _saved(tmp_path)
-    out = run(2, WORKER_DCP, "--dcp", src, "--root", str(tmp_path / "ck"), "--wide")
+def test_a_model_of_another_shape_is_refused_on_every_rank_naming_the_key(restored):
+    src, out, _ = restored
     for rank in (0, 1):
         assert f"rank {rank} error: CheckpointError: {src}: the model does not take the checkpoint's 'model'" in out
     assert "size mismatch for 0.weight" in out, out[-3000:]
