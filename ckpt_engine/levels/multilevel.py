@@ -279,9 +279,9 @@ class MultiLevel:
 
     def restore(self, step: int | None, fallback: bool, threads: int, failures: list[str],
                 into: Any = None, exchange: Exchange | None = None) -> tuple[Any, Loaded]:
-        """:meth:`load` (it verifies every rank's parts already). Every rank reads a shared level
-        whole (``exchange`` is not used across levels: a node-local level exchanges slices its own way)."""
-        return load_levels(self, self.comm, step, fallback, threads, failures, into)
+        """:meth:`load`, with ``exchange``: the route of a shared level's large pieces, as on one level
+        (a node-local level 1 exchanges its parts its own way: levels/assemble.py)."""
+        return load_levels(self, self.comm, step, fallback, threads, failures, into, exchange)
 
     def open_newest(self) -> Loaded:
         """The newest checkpoint of the shared levels (the fastest on a tie); no communication."""

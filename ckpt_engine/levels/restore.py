@@ -7,11 +7,13 @@ several ranks, on the training thread):
    it holds. Every rank then computes the same candidate list (:func:`candidates`): newest step
    first, the fastest level first on a tie; a node-local level-1 copy only when the ranks hold
    every writer's part between them (written by any number of ranks: the state is resharded);
-2. each candidate is read and verified while read (never read twice), then one all-gather of
-   "did it verify" moves all ranks to the next candidate together when any rank failed: a copy
-   of the same step on a slower level always, an older step only with ``fallback=True``.
+2. the candidates go to the one restore search (load/search.py): each is read and verified while
+   read (never read twice), then one all-gather of "did it verify" moves all ranks to the next
+   candidate together when any rank failed: a copy of the same checkpoint on a slower level
+   always, another checkpoint only with ``fallback=True``.
 
-A shared level is read as a single-level checkpoint is (each rank reads the whole state). A
+A shared level is read as a single-level checkpoint is (load/agreed.py: each rank reads the whole
+state, or with the exchange of ``restore_route`` its share, the rest broadcast). A
 node-local level 1 holds only this rank's slices (a memory level: its node's ranks' and the
 replicas the node received): when each rank's node holds every part, each reads it all itself;
 else each writer's part is read and verified by one rank that holds it (the writer itself when it
@@ -34,14 +36,15 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 import xxhash
 
 from ..comm import Comm
-from ..errors import (CheckpointError, CheckpointWarning, CorruptionError, FormatError, MismatchError,
-                      NoCheckpointError)
+from ..errors import CheckpointWarning, CorruptionError, FormatError, NoCheckpointError
 from ..format.catalog import manifest_dirs
 from ..format.entries import data_file, index_file
 from ..format.manifest import RankIndex, check_coverage
-from ..load.agreed import Loaded, read_for_rank
-from ..load.open import Opened, open_checkpoint
-from .assemble import Assembly, read_parts, whole_figures
+from ..load.agreed import Loaded, WholeRead, read_for_rank, read_whole
+from ..load.exchange import Exchange
+from ..load.open import Opened
+from ..load.search import Read, Reading, search
+from .assemble import Assembly, Parts, read_parts, whole_figures
 from .open import RANK_COMMIT, Level, Partial, RankCommit, assemblable, partial
 
 if TYPE_CHECKING:
@@ -127,56 +130,79 @@ def _ranks(ranks: Sequence[int]) -> str:
 
 
 def load_levels(ml: Levels, comm: Comm, step: int | None, fallback: bool, threads: int,
-                failures: list[str], into: Any = None) -> tuple[Any, Loaded]:
+                failures: list[str], into: Any = None, exchange: Exchange | None = None) -> tuple[Any, Loaded]:
     """Every rank: ``(state, loaded)`` of the newest checkpoint (or ``step``) that verifies on all
     ranks (``into`` filled in place from it, when given: load/into.py); see the module docstring.
+    The candidates are tried by the one search of load/search.py (which errors fall back, which end
+    it); ``exchange``: the route of a shared level's large pieces (load/exchange.py), as on one level.
 
     Appends what failed to ``failures``. Raises :class:`NoCheckpointError` when no level has one.
     """
     ml.assembly = None
     found, parts = _agree(ml, comm, step)
+    names = ", ".join(level.name for level in ml.levels)
     if not found:
         which = "" if step is None else f" of step {step}"
-        message = (f"no committed checkpoint{which} on any level ({', '.join(level.name for level in ml.levels)}); "
-                   f"committed steps: {ml.steps()}")
+        message = f"no committed checkpoint{which} on any level ({names}); committed steps: {ml.steps()}"
         if parts:  # the front ends start afresh on this error: not without a word
             lost = partial_warning(ml.fast.name, parts, "no other checkpoint to restore")
             warnings.warn(CheckpointWarning(lost), stacklevel=4)
             message += "; " + lost
         raise NoCheckpointError(message)
-    own_error: Exception | None = None
-    for c in found:
-        if c.step != found[0].step and not fallback:
-            break
+
+    def read(c: Candidate) -> Reading[tuple[tuple[Any, Loaded], Assembly | None]]:
+        if c.whole:
+            return Read(_read_node_whole(ml, c, threads, comm.rank, into))
+        if c.node_local:
+            return _Assembling(read_parts(ml.fast, ml.part_storage, c.step, c.dirname, c.readers, comm.rank),
+                               comm, into)
         level = ml.levels[c.level]
-        try:
-            attempt = (_read_node_whole(ml, c, threads, comm.rank, into) if c.whole
-                       else read_parts(ml.fast, ml.part_storage, c.step, c.dirname, c.readers, comm.rank)
-                       if c.node_local else _read_shared(level, c, threads, comm.rank, into))
-            report = attempt.report
-        except Exception as e:  # noqa: BLE001 - reported to the other ranks first, so that none waits forever
-            own_error, attempt, report = own_error or e, None, {"ok": False, "error": f"rank {comm.rank}: {e}",
-                                                                "final": isinstance(e, MismatchError)}
-        reports = comm.all_gather(report) if comm.world_size > 1 else [report]
-        bad = [r["error"] for r in reports if not r["ok"]]
-        if not bad:
-            try:
-                done, ml.assembly = (attempt.finish(comm, reports, into)  # type: ignore[union-attr]
-                                     if c.node_local and not c.whole else attempt.result)  # type: ignore[union-attr]
-            except CheckpointError as e:  # the same on every rank: it depends on the gathered reports only
-                own_error, bad = own_error or e, [str(e)]
-            else:
-                skipped = [p for p in parts if p.step > c.step]
-                if skipped:
-                    warnings.warn(CheckpointWarning(partial_warning(
-                        ml.fast.name, skipped, f"restored step {c.step} from {level.name}")), stacklevel=4)
-                return done
-        failures.extend(f"{level.name} {c.dirname}: {b}" for b in bad)
-        if any(r.get("final") for r in reports):  # the caller's state does not fit: no other copy will
-            break
-    if own_error is not None:
-        raise own_error
-    raise CorruptionError("no checkpoint verifies on every rank: " + "; ".join(failures))
+        return _Shared(read_whole(level.storage, c.dirname, comm.rank, threads, into=into, exchange=exchange,
+                                  level=level.index))
+
+    c, (done, ml.assembly) = search(found, read, comm, rank=comm.rank, fallback=fallback, failures=failures,
+                                    where=lambda c: f"{ml.levels[c.level].name} {c.dirname}",
+                                    scope=f"on any level ({names})")
+    skipped = [p for p in parts if p.step > c.step]
+    if skipped:
+        warnings.warn(CheckpointWarning(partial_warning(
+            ml.fast.name, skipped, f"restored step {c.step} from {ml.levels[c.level].name}")), stacklevel=4)
+    return done
+
+
+@dataclass(frozen=True)
+class _Shared:
+    """A shared level's copy, read as one level is read (load/agreed.py): nothing assembled."""
+
+    reading: WholeRead
+
+    @property
+    def report(self) -> dict[str, Any]:
+        return self.reading.report
+
+    @property
+    def collective(self) -> bool:
+        return self.reading.collective
+
+    def finish(self, reports: Sequence[dict[str, Any]]) -> tuple[tuple[Any, Loaded], Assembly | None]:
+        return self.reading.finish(reports), None
+
+
+@dataclass(frozen=True)
+class _Assembling:
+    """A node-local copy whose parts this rank read; the ranks exchange them together (levels/assemble.py)."""
+
+    parts: Parts
+    comm: Comm
+    into: Any
+    collective = True
+
+    @property
+    def report(self) -> dict[str, Any]:
+        return self.parts.report
+
+    def finish(self, reports: Sequence[dict[str, Any]]) -> tuple[tuple[Any, Loaded], Assembly | None]:
+        return self.parts.finish(self.comm, reports, self.into)
 
 
 def _agree(ml: Levels, comm: Comm, step: int | None) -> tuple[list[Candidate], list[Partial]]:
@@ -193,22 +219,9 @@ def _agree(ml: Levels, comm: Comm, step: int | None) -> tuple[list[Candidate], l
     return candidates(shared, held, comm.world_size, step), parts
 
 
-# ---- a shared level ---------------------------------------------------------------------------------
-@dataclass
-class _Read:
-    result: tuple[tuple[Any, Loaded], Assembly | None]
-    report: dict
-
-
-def _read_shared(level: Level, c: Candidate, threads: int, rank: int, into: Any) -> _Read:
-    """The state and the ``local`` sections this rank will use (its writer's, writer 0's), verified."""
-    opened = open_checkpoint(level.storage, c.dirname)
-    state, verified = read_for_rank(level.storage, opened, rank, threads, into=into)
-    return _Read(((state, Loaded(opened, level.storage, level.index, verified)), None), {"ok": True})
-
-
 # ---- a node that holds every part -------------------------------------------------------------------
-def _read_node_whole(ml: Levels, c: Candidate, threads: int, rank: int, into: Any) -> _Read:
+def _read_node_whole(ml: Levels, c: Candidate, threads: int, rank: int,
+                     into: Any) -> tuple[tuple[Any, Loaded], Assembly]:
     """Every part of ``c`` is in this rank's node memory: open it from the writers' commits and read
     it as a shared level is read (this rank's share of the state, its own and writer 0's ``local``),
     every byte verified, with no exchange."""
@@ -216,8 +229,7 @@ def _read_node_whole(ml: Levels, c: Candidate, threads: int, rank: int, into: An
     view = ml.node_parts()
     opened = _open_parts(ml, view, c.dirname, len(c.readers))
     state, verified = read_for_rank(view, opened, rank, threads, into=into)
-    return _Read(((state, Loaded(opened, view, ml.fast.index, verified)), whole_figures(c.step, opened, rank, started)),
-                 {"ok": True})
+    return (state, Loaded(opened, view, ml.fast.index, verified)), whole_figures(c.step, opened, rank, started)
 
 
 def _open_parts(ml: Levels, view: Storage, dirname: str, writers: int) -> Opened:

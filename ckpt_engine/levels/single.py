@@ -3,7 +3,7 @@
 Rank 0 creates and sweeps the root at open and commits every attempt on its persist thread (the
 manifest, commit.py); the other ranks wait for that manifest in ``wait()``. Retention runs on rank
 0 after each commit; under a full storage, persist may make room (``failure.py``). Reading is
-:func:`restore_agreed.restore`: with the job's communicator for ``restore()``, alone for ``load()``.
+:func:`ckpt_engine.load.agreed.restore`: with the job's communicator for ``restore()``, alone for ``load()``.
 """
 
 from __future__ import annotations

@@ -7,23 +7,25 @@ rank needs). A checkpoint is chosen only when all three verify, so a damaged ``l
 moves the fallback on to an older checkpoint instead of failing after the choice.
 
 * :func:`read_for_rank`: the parts one rank uses, read and verified.
-* :func:`restore`: the choice on one level (the multi-level one is levels/restore.py). With the
-  job's communicator it is the collective the front ends call on every rank: rank 0 lists the
-  candidates once and broadcasts them (or its failure to list); every rank reads its parts of one
-  candidate, then one all-gather of verdicts moves all ranks to the next candidate together when
-  any of them failed, so every rank resumes from the same step. With a :class:`LocalComm` it is
-  ``Checkpointer.load()``: the same choice by this process alone, no communication.
+* :func:`restore`: the choice on one level (several: levels/restore.py), by the one search of
+  load/search.py. With the job's communicator it is the collective the front ends call on every
+  rank: rank 0 lists the candidates once and broadcasts them (or its failure to list); the search
+  moves all ranks from one candidate to the next together, so every rank resumes from the same
+  step. With a :class:`LocalComm` it is ``Checkpointer.load()``: the same choice by this process
+  alone, no communication.
+* :func:`read_whole`: one candidate read as a shared level is read (the whole state, or this
+  rank's share of it and the exchange), for the search; levels/restore.py reads shared levels by it.
 * :class:`Loaded`: what a load or restore opened, kept for ``load_local()``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from ..agree import on_rank0
 from ..comm import Comm
-from ..errors import CheckpointError, CorruptionError, MismatchError, NoCheckpointError
+from ..errors import CheckpointError, NoCheckpointError
 from ..format.catalog import committed, manifest_dirs
 from ..format.manifest import Manifest
 from ..progress import Bar, wanted as progress_wanted
@@ -31,6 +33,7 @@ from ..storage import Storage
 from .exchange import Exchange, Pending, node_name
 from .open import Opened, Progress, check_room, open_checkpoint
 from .read import read_local, read_state
+from .search import search
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,15 @@ def read_locals(storage: Storage, ck: Opened, rank: int) -> dict[int, Any]:
     return {r: read_local(storage, ck, r) for r in local_ranks(rank, ck.manifest.world_size)}
 
 
+@dataclass(frozen=True)
+class Copy:
+    """A checkpoint directory to try on a level (``level``: its index, 0 the fastest)."""
+
+    step: int
+    dirname: str
+    level: int = 0
+
+
 def restore(storage: Storage, comm: Comm, step: int | None, fallback: bool, threads: int, failures: list[str], *,
             rank: int | None = None, progress: bool = False, into: Any = None,
             exchange: Exchange | None = None) -> tuple[Any, Loaded]:
@@ -122,70 +134,62 @@ def restore(storage: Storage, comm: Comm, step: int | None, fallback: bool, thre
     ``rank``: whose parts to read (default ``comm.rank``; ``load()`` passes its rank with a
     :class:`LocalComm`). ``into``: a state to fill in place instead of a new one (load/into.py).
     ``exchange``: the route of the replicated state's large pieces (load/exchange.py; its
-    communicator is ``comm``): each rank reads its share alone, the verdicts are agreed, then the
-    exchange runs, then a second agreement covers what it read. ``progress``: a byte progress bar
-    on stderr (rank 0, when a terminal).
-    Appends what failed to ``failures``. Without ``fallback`` the first failure raises on every
-    rank: its own error where it failed, a :class:`CorruptionError` naming the others elsewhere.
-    Raises :class:`NoCheckpointError` when there is none.
+    communicator is ``comm``). ``progress``: a byte progress bar on stderr (rank 0, when a terminal).
+    Appends what failed to ``failures``; which failures fall back and which end the search:
+    load/search.py. Raises :class:`NoCheckpointError` when there is none.
     """
     rank = comm.rank if rank is None else rank
     found = on_rank0(comm, lambda: manifest_dirs(storage, step))
     if not found:
         which, steps = ("", "") if step is None else (f" of step {step}", f"; committed steps: {_steps(storage)}")
         raise NoCheckpointError(f"no committed checkpoint{which} at {storage.describe('')}{steps}")
-    for _, dirname in reversed(found):
-        own: BaseException | None = None
-        pending: Pending | None = None
-        try:
-            state, loaded, pending = _read(storage, dirname, rank, threads,
-                                           progress and rank == 0 and progress_wanted(), into, exchange)
-            report: dict[str, Any] = {"ok": True, "node": node_name()}
-        except Exception as e:  # noqa: BLE001 - reported to the other ranks first, so that none waits forever
-            own, report = e, _failed(rank, e)
-        reports = comm.all_gather(report) if comm.world_size > 1 else [report]
-        bad = [r for r in reports if not r["ok"]]
-        if not bad and pending is not None and exchange is not None:  # every rank has its share: exchange
-            try:
-                state = exchange.finish(pending, [r["node"] for r in reports])
-                report = {"ok": True}
-            except Exception as e:  # noqa: BLE001 - agreed on below, as above
-                own, report = e, _failed(rank, e)
-            reports = comm.all_gather(report)
-            bad = [r for r in reports if not r["ok"]]
-        if not bad:
-            return state, loaded
-        failures.extend(f"{dirname}: {r['error']}" for r in bad)
-        if not fallback or any(r["final"] for r in bad):
-            if own is not None:
-                raise own
-            raise CorruptionError(f"{storage.describe(dirname)} failed on other ranks: "
-                                  + "; ".join(r["error"] for r in bad))
-    everywhere = " on every rank" if comm.world_size > 1 else ""
-    raise CorruptionError(f"no checkpoint at {storage.describe('')} verifies{everywhere}: " + "; ".join(failures))
-
-
-def _failed(rank: int, e: Exception) -> dict[str, Any]:
-    """The report of a rank whose reading of a candidate failed (``final``: no other candidate can help)."""
-    return {"ok": False, "error": f"rank {rank}: {e}", "node": node_name(),
-            "final": not isinstance(e, CheckpointError) or isinstance(e, (NoCheckpointError, MismatchError))}
+    show = progress and rank == 0 and progress_wanted()
+    _, (state, loaded) = search([Copy(int(s), str(d)) for s, d in reversed(found)],
+                                lambda c: read_whole(storage, c.dirname, rank, threads, show, into, exchange),
+                                comm, rank=rank, fallback=fallback, failures=failures,
+                                where=lambda c: storage.describe(c.dirname), scope=f"at {storage.describe('')}")
+    return state, loaded
 
 
 def _steps(storage: Storage) -> list[int]:
     return [e.step for e in committed(storage)]
 
 
-def _read(storage: Storage, dirname: str, rank: int, threads: int, show: bool, into: Any,
-          exchange: Exchange | None = None) -> tuple[Any, Loaded, Pending | None]:
+@dataclass
+class WholeRead:
+    """A candidate this rank read as a shared level is read: the state (or, with the exchange, this
+    rank's share of it: ``pending``) and the ``local`` sections it uses, verified."""
+
+    state: Any
+    loaded: Loaded
+    pending: Pending | None
+    exchange: Exchange | None
+    report: dict[str, Any]
+
+    @property
+    def collective(self) -> bool:
+        """The exchange of the state's pieces runs on every rank together."""
+        return self.pending is not None
+
+    def finish(self, reports: Sequence[dict[str, Any]]) -> tuple[Any, Loaded]:
+        if self.pending is not None and self.exchange is not None:  # every rank has its share: exchange
+            self.state = self.exchange.finish(self.pending, [r["node"] for r in reports])
+        return self.state, self.loaded
+
+
+def read_whole(storage: Storage, dirname: str, rank: int, threads: int, show: bool = False, into: Any = None,
+               exchange: Exchange | None = None, level: int = 0) -> WholeRead:
     """Open ``dirname`` and read the parts ``rank`` uses, each verified, by this rank alone; when
-    the exchange applies, only this rank's share of the state (``Pending``, for ``finish``)."""
+    the exchange applies, only this rank's share of the state (the rest comes in ``finish``)."""
     opened = open_checkpoint(storage, dirname)
     total = sum(e.nbytes for idx in opened.indexes for e in idx.entries if not e.local)
+    report = {"node": node_name()}
     with Bar(total, f"load step {opened.manifest.step}", show) as bar:
         update = bar.update if show else None
         if exchange is not None and exchange.applies(into):
             check_room(storage, opened, local_ranks=local_ranks(rank, opened.manifest.world_size))
             pending = exchange.start(storage, opened, threads, update)
-            return None, Loaded(opened, storage, locals=read_locals(storage, opened, rank)), pending
+            return WholeRead(None, Loaded(opened, storage, level, read_locals(storage, opened, rank)), pending,
+                             exchange, report)
         state, locals_ = read_for_rank(storage, opened, rank, threads, update, into)
-    return state, Loaded(opened, storage, locals=locals_), None
+    return WholeRead(state, Loaded(opened, storage, level, locals_), None, None, report)
