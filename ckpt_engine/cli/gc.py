@@ -2,8 +2,10 @@
 
 Planned, not done, by default (the command line's dry run). Candidates:
 
-* committed checkpoints beyond the ``keep_last`` highest steps (the newest is always kept);
-* superseded attempts: a committed directory of a step that has a newer committed attempt;
+* what the retention rule of a running job drops (save/retention.py, the same rule, so ``gc`` and
+  the job agree): superseded attempts (a committed directory of a step that has a newer committed
+  attempt), and committed checkpoints beyond ``keep_last`` (the newest commit, whatever its step,
+  and the highest steps of the others, ``keep_last`` in all);
 * uncommitted attempt directories (no manifest: crashed, failed or skipped saves) whose newest
   file is older than ``grace`` seconds, and stale temporary files of interrupted atomic writes.
 
@@ -29,6 +31,7 @@ from ..format import catalog
 from ..format.entries import MANIFEST_NAME
 from ..levels.memory import dead_node_dirs, sweep_dead_jobs
 from ..save.commit import remove_checkpoint
+from ..save.retention import retention
 from ..storage import Storage
 from .common import OK, Parents, UsageError, open_storage, print_json, root
 from .table import duration, human, render
@@ -78,9 +81,8 @@ def plan(storage: Storage, keep_last: int | None, grace_s: float, now: float | N
     if keep_last is not None and keep_last < 1:
         raise CheckpointError(f"--keep-last must be at least 1 (the newest checkpoint is always kept), got {keep_last}")
     now = time.time() if now is None else now
-    chosen = {e.dirname: e for e in catalog.committed(storage)}
-    by_step = sorted(chosen.values(), key=lambda e: e.step, reverse=True)
-    beyond = {e.dirname for e in by_step[keep_last:]} if keep_last is not None else set()
+    readable = {e.dirname for e in catalog.readable(storage)}
+    rule = retention(readable, keep_last)
     remove, keep = [], []
 
     def item(name: str, reason: str, step: int | None) -> Item:
@@ -89,15 +91,14 @@ def plan(storage: Storage, keep_last: int | None, grace_s: float, now: float | N
 
     for name in catalog.attempt_dirs(storage):
         step = catalog.parse_dir(name)[0]  # type: ignore[index]
-        if name in chosen:
-            if name in beyond:
-                remove.append(item(name, f"beyond --keep-last {keep_last}", step))
+        if name in rule.superseded:
+            remove.append(item(name, f"superseded by {rule.superseded[name]}", step))
+        elif name in rule.beyond:
+            remove.append(item(name, f"beyond --keep-last {keep_last}", step))
+        elif name in readable:
+            continue
         elif storage.exists(f"{name}/{MANIFEST_NAME}"):
-            newer = [e for e in chosen.values() if e.step == step]
-            if newer:
-                remove.append(item(name, f"superseded by {newer[0].dirname}", step))
-            else:
-                keep.append(item(name, "manifest unreadable: kept, run `ckpt verify`", step))
+            keep.append(item(name, "manifest unreadable: kept, run `ckpt verify`", step))
         else:
             it = item(name, "uncommitted", step)
             old = it.age_s is not None and it.age_s >= grace_s  # unknown age: keep, it may be in progress

@@ -66,12 +66,10 @@ def _named_entries(storage: Storage) -> list[tuple[str, str]]:
     return [(n, kind) for n, kind in storage.entries() if parse_dir(n) is not None]
 
 
-def committed(storage: Storage) -> list[Entry]:
-    """Committed checkpoints, oldest first; for one step, only the newest committed attempt.
-
-    A directory whose manifest cannot be parsed is skipped here (``verify`` reports it).
-    """
-    newest: dict[int, Entry] = {}
+def readable(storage: Storage) -> list[Entry]:
+    """Every committed attempt whose manifest parses and names the directory's step, in
+    directory order. A directory whose manifest cannot be parsed is skipped (``verify`` reports it)."""
+    found = []
     for name in attempt_dirs(storage):
         step = parse_dir(name)[0]  # type: ignore[index]
         if not storage.exists(f"{name}/{MANIFEST_NAME}"):
@@ -81,11 +79,21 @@ def committed(storage: Storage) -> list[Entry]:
                                           storage.describe(f"{name}/{MANIFEST_NAME}"))
         except CheckpointError:  # unreadable or removed meanwhile: not a checkpoint to list
             continue
-        if manifest.step != step:
-            continue
-        old = newest.get(step)
-        if old is None or manifest.created_at > old.manifest.created_at:
-            newest[step] = Entry(step, name, manifest)
+        if manifest.step == step:
+            found.append(Entry(step, name, manifest))
+    return found
+
+
+def committed(storage: Storage) -> list[Entry]:
+    """Committed checkpoints, oldest first; for one step, only the newest committed attempt.
+
+    A directory whose manifest cannot be parsed is skipped here (``verify`` reports it).
+    """
+    newest: dict[int, Entry] = {}
+    for entry in readable(storage):
+        old = newest.get(entry.step)
+        if old is None or entry.manifest.created_at > old.manifest.created_at:
+            newest[entry.step] = entry
     return [newest[s] for s in sorted(newest)]
 
 

@@ -30,6 +30,7 @@ from ..format.catalog import LATEST, attempt_dirs, parse_dir
 from ..format.entries import MANIFEST_NAME, RankRecord, TensorEntry, index_file
 from ..format.manifest import Manifest, RankIndex, check_coverage
 from ..storage import Storage
+from .retention import retention
 
 
 def abort_file(rank: int) -> str:
@@ -184,38 +185,30 @@ def retain(storage: Storage, committed_dir: str, keep_last: int | None, attempt_
            marker: str = MANIFEST_NAME, protect: Collection[str] = ()) -> list[str]:
     """After committing ``committed_dir``: drop what it makes obsolete. Returns removed names.
 
-    * older attempts of the same step (the new one replaces them);
-    * this job's attempts older than it that never committed (rank 0 commits in order, so they
-      never will: a rank skipped or failed them);
-    * committed checkpoints beyond ``keep_last``: ``committed_dir`` itself (the newest commit, never
-      removed) and the ``keep_last - 1`` highest steps of the others, whichever incarnation
-      committed them. Counting ``committed_dir`` in whatever its step keeps the bound after a
-      restart whose steps start below the earlier incarnation's (a job started afresh in the same
-      root, or resumed from an older checkpoint): ranking it among the others kept ``keep_last``
-      older checkpoints beside it, ``keep_last + 1`` in all, until its steps passed theirs.
+    * committed checkpoints the retention rule drops (save/retention.py: one attempt per step, the
+      newest commit, ``committed_dir``, whatever its step, then the highest steps, ``keep_last`` in all);
+    * uncommitted attempts of the same step (the new one replaces them), and this job's attempts
+      older than it that never committed (rank 0 commits in order, so they never will: a rank
+      skipped or failed them).
 
-    Directories named in ``protect`` stay whatever the rules say (multi-level: the checkpoint a
-    flush still reads). ``marker`` is the file whose presence is the commit (the manifest, or a
-    rank's own marker on a node-local level).
+    Directories named in ``protect`` stay whatever the rules say, and are not counted (multi-level:
+    the checkpoint a flush still reads). ``marker`` is the file whose presence is the commit (the
+    manifest, or a rank's own marker on a node-local level).
     """
     step, attempt = parse_dir(committed_dir)  # type: ignore[misc]
-    removed = []
-    kept_steps = []
+    removed, committed = [], [committed_dir]
     for name in attempt_dirs(storage):
         if name == committed_dir or name in protect:
             continue
         other_step, other_attempt = parse_dir(name)  # type: ignore[misc]
-        has_manifest = storage.exists(f"{name}/{marker}")
-        dead = not has_manifest and other_attempt.startswith(attempt_prefix) and other_attempt < attempt
-        if other_step == step or dead:
+        if storage.exists(f"{name}/{marker}"):
+            committed.append(name)
+        elif other_step == step or (other_attempt.startswith(attempt_prefix) and other_attempt < attempt):
             remove_checkpoint(storage, name, marker)
             removed.append(name)
-        elif has_manifest:
-            kept_steps.append((other_step, name))
-    if keep_last is not None:
-        for _, name in sorted(kept_steps, reverse=True)[keep_last - 1:]:
-            remove_checkpoint(storage, name, marker)
-            removed.append(name)
+    for name in sorted(retention(committed, keep_last, newest=committed_dir).remove):
+        remove_checkpoint(storage, name, marker)
+        removed.append(name)
     return removed
 
 

@@ -19,7 +19,7 @@ the commit; every function here runs on a rank's persist thread):
   settled yet is looked at again before each later job of rank 0 (:func:`discard_attempt`);
 * a rank whose write finds the storage full (``ENOSPC``/``EDQUOT``), when ``keep_last`` is set on a
   single-level checkpointer, removes the committed checkpoints that this save's commit would remove
-  anyway (all but the ``keep_last - 1`` newest steps; never the newest), then writes once more
+  anyway (the retention rule, save/retention.py, with this save counted: never the newest), then writes once more
   (:func:`make_room`). Without ``keep_last`` nothing committed is deleted: the user asked to keep all.
   Multi-level checkpointers do not make room (level 1 keeps what the flushers still need).
 
@@ -37,6 +37,7 @@ from ..format.catalog import manifest_dirs
 from ..format.entries import MANIFEST_NAME, data_file, index_file
 from ..storage import Storage
 from .commit import abort_file, remove_checkpoint
+from .retention import retention
 
 Report = Union[BaseException, CheckpointWarning]
 """What the persist thread hands to the training thread: a failed save, or a warning."""
@@ -126,19 +127,15 @@ def discard_attempt(storage: Storage, dirname: str, world_size: int) -> bool:
 def make_room(storage: Storage, keep_last: int, marker: str = MANIFEST_NAME) -> list[str]:
     """Under ``ENOSPC``: remove the committed checkpoints the next commit would remove anyway.
 
-    Keeps the ``keep_last - 1`` newest steps (at least the newest, always): with the save being
-    written that makes ``keep_last``. Removal is the commit's way (manifest first). Any rank may
-    call it (deletions are idempotent, and follow the same rule as rank 0's retention). Returns
-    the directories removed.
+    The retention rule (save/retention.py) with the save being written counted: the newest commit
+    and the highest other steps, ``keep_last - 1`` in all (at least the newest commit, always), one
+    attempt per step. Removal is the commit's way (manifest first). Any rank may call it (deletions
+    are idempotent, and follow the same rule as rank 0's retention). Returns the directories removed.
     """
-    by_step: dict[int, list[str]] = {}
-    for step, name in manifest_dirs(storage, marker=marker):
-        by_step.setdefault(step, []).append(name)
-    removed = []
-    for step in sorted(by_step, reverse=True)[max(1, keep_last - 1):]:
-        for name in by_step[step]:
-            remove_checkpoint(storage, name, marker)
-            removed.append(name)
+    committed = [name for _, name in manifest_dirs(storage, marker=marker)]
+    removed = sorted(retention(committed, keep_last, writing=True).remove)
+    for name in removed:
+        remove_checkpoint(storage, name, marker)
     return removed
 
 
