@@ -32,7 +32,6 @@ from .filebuffers import link_data
 from .tally import SaveRecord, Tally
 
 
-_HASHER = ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash")
 _OVERLAP_MIN = 8 << 20
 """Below this the hand-off to the hashing thread costs more than the overlap gains."""
 
@@ -60,9 +59,11 @@ class PersistJob:
     """The index file's bytes once written (a node-local commit records their checksum)."""
 
 
-def write_rank(storage: Storage, job: PersistJob) -> None:
+def write_rank(storage: Storage, job: PersistJob, hasher: ThreadPoolExecutor | None = None) -> None:
     """Checksum and write the rank's data file (on a memory level, a buffer that is a file of the
-    level is linked instead: save/filebuffers.py), then its index file (both durable on return)."""
+    level is linked instead: save/filebuffers.py), then its index file (both durable on return).
+    ``hasher``: a thread that computes the checksums beside the write (the worker's own); without
+    it they are computed after."""
     if job.snapshot is not None:
         job.snapshot.result()
     if job.buffer.event is not None:
@@ -88,7 +89,8 @@ def write_rank(storage: Storage, job: PersistJob) -> None:
     else:
         # The checksums (xxh3 releases the GIL) are computed beside the write, which reads the same
         # buffer and mostly waits on the device; the index that holds them is written after both.
-        hashing = _HASHER.submit(checksums) if job.nbytes >= _OVERLAP_MIN and known is None else None
+        overlap = hasher is not None and job.nbytes >= _OVERLAP_MIN and known is None
+        hashing = hasher.submit(checksums) if overlap else None  # type: ignore[union-attr]
         # No directory fsync here: the index file's atomic write below syncs the same directory.
         storage.write_stream(rel, [view], sync_dir=False)
         entries, hash_cpu = hashing.result() if hashing is not None else checksums()
@@ -135,6 +137,9 @@ class PersistWorker:
         # At the training thread's priority, on purpose: lowered (nice 10) it is preempted while it
         # holds the GIL, and training waits for it; measured, each checkpoint then cost the
         # Transformer +125-150 ms of CPU and +70 ms of wall (bench_lightning, 2026-11-26, 532da76).
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash")
+        """The checksums beside the write (xxh3 releases the GIL); its thread starts at the first
+        large write and ends with :meth:`stop`."""
         self._thread = threading.Thread(target=self._run, name="ckpt-persist", daemon=True)
         self._thread.start()
 
@@ -157,9 +162,10 @@ class PersistWorker:
         return taken
 
     def stop(self) -> None:
-        """Finish queued jobs, then end the thread."""
+        """Finish queued jobs, then end the thread and the hashing thread."""
         self._queue.put(None)
         self._thread.join()
+        self._hasher.shutdown(wait=True)
 
     def _run(self) -> None:
         while True:
@@ -206,7 +212,7 @@ class PersistWorker:
     def _write(self, job: PersistJob) -> None:
         """``write_rank``; on a full storage, make room (when allowed) and write once more."""
         try:
-            write_rank(self._storage, job)
+            write_rank(self._storage, job, self._hasher)
         except CheckpointError as e:
             if not (self._make_room and failure.is_disk_full(e)):
                 raise
@@ -217,7 +223,7 @@ class PersistWorker:
             self._report(CheckpointWarning(
                 f"{e}: the storage was full; removed {removed} (older than the keep_last={self._keep_last} newest, "
                 f"which the commit of step {job.step} removes anyway) to make room, and wrote it again"))
-            write_rank(self._storage, job)
+            write_rank(self._storage, job, self._hasher)
             self._count("disk_full")  # a failed retry is counted by ``_fail``
 
     def _fail(self, job: PersistJob, error: BaseException) -> None:

@@ -3,5 +3,6 @@
 * :mod:`.boxes`: pure geometry of chunks (half-open index ranges per dimension);
 * :mod:`.dtensors`: what a ``DTensor`` is on this rank (its chunk, its replicas), for saving and
   for loading into one;
-* :mod:`.fill`: ``load(into=...)``: which stored pieces each target needs, and copying them in.
+* ``load(into=...)`` of a ``DTensor`` (which stored pieces its region needs, copied in) is the load
+  path's: load/into.py.
 """
