@@ -46,7 +46,7 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from ckpt_engine import Checkpointer, TorchDistComm
-from ckpt_engine.training.resumable import ResumableSampler, rng_state, set_rng_state
+from ckpt_engine import ResumableSampler, rng_state, set_rng_state
 
 SHARDED = StateDictOptions(full_state_dict=False, cpu_offload=False)  # DTensors: this rank's chunks
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)       # whole tensors, on rank 0

@@ -63,7 +63,7 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from ckpt_engine import Checkpointer, DDPBucketOrder, TorchDistComm
-from ckpt_engine.training.resumable import ResumableSampler
+from ckpt_engine import ResumableSampler
 
 SEQ = 64
 SEED = 1234

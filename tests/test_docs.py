@@ -130,6 +130,45 @@ def test_api_reference_covers_every_public_name() -> None:
     assert not missing, f"docs/api.md has no '::: ' entry for the public name(s) {missing}"
 
 
+def test_the_api_reference_lists_only_public_names() -> None:
+    """Each ``::: package[.module].Name`` of docs/api.md is in that package's ``__all__``."""
+    import ckpt_engine
+    import horovod_ckpt
+    import lightning_ckpt
+
+    public = {p.__name__: set(p.__all__) for p in (ckpt_engine, lightning_ckpt, horovod_ckpt)}
+    entries = re.findall(r"^::: (\w+)(?:\.\w+)*\.(\w+)\s*$", (DOCS / "api.md").read_text(encoding="utf-8"),
+                         flags=re.MULTILINE)
+    extra = [f"{package}.{name}" for package, name in entries if name not in public.get(package, set())]
+    assert entries and not extra, f"docs/api.md documents names its package does not export: {extra}"
+
+
+IMPORT = re.compile(r"^\s*from (ckpt_engine|lightning_ckpt|horovod_ckpt)((?:\.\w+)*) import \(?([\w, ]+)",
+                    flags=re.MULTILINE)
+
+
+def test_docs_and_examples_import_only_what_the_packages_export() -> None:
+    """A user copies the docs and the examples: every name they import from the project comes from
+    the package itself (``from ckpt_engine import ResumableSampler``), and the package exports it."""
+    import ckpt_engine
+    import horovod_ckpt
+    import lightning_ckpt
+
+    public = {p.__name__: set(p.__all__) for p in (ckpt_engine, lightning_ckpt, horovod_ckpt)}
+    files = [README, *sorted(DOCS.rglob("*.md")), *sorted((ROOT / "examples").rglob("*.py"))]
+    wrong = []
+    for path in files:
+        text = path.read_text(encoding="utf-8")
+        for m in IMPORT.finditer(text):
+            package, module, names = m.group(1), m.group(2), [n.strip() for n in m.group(3).split(",") if n.strip()]
+            line = text.count("\n", 0, m.start()) + 1
+            if module:
+                wrong.append(f"{path.relative_to(ROOT)}:{line}: from {package}{module} (import from {package})")
+            wrong += [f"{path.relative_to(ROOT)}:{line}: {package}.{n} is not in {package}.__all__"
+                      for n in names if n not in public[package]]
+    assert not wrong, "\n".join(wrong)
+
+
 @pytest.mark.slow
 def test_mkdocs_build_strict(tmp_path: Path) -> None:
     if importlib.util.find_spec("mkdocs") is None:

@@ -13,9 +13,9 @@ import torch
 
 from ckpt_engine import Checkpointer
 from ckpt_engine.cli.diff import tensor_difference
-from ckpt_engine.cli.export import build, export, jsonable, plain, safetensors_parts
+from ckpt_engine.interop.files import build, export, jsonable, plain, safetensors_parts
 from ckpt_engine.cli.gc import parse_duration
-from ckpt_engine.cli.tree import TensorRef, flatten, refs_tree, short_repr
+from ckpt_engine.state.tree import TensorRef, flatten, refs_tree, short_repr
 from ckpt_engine.errors import CheckpointError
 from ckpt_engine.format.catalog import manifest_dirs
 from ckpt_engine.load.open import open_checkpoint

@@ -25,7 +25,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from ckpt_engine import Checkpointer
 from ckpt_engine.cli import main
 from ckpt_engine.errors import CheckpointError, MismatchError
-from ckpt_engine.interop.dcp import buckets, export_dcp
+from ckpt_engine import export
+from ckpt_engine.interop.dcp import buckets
 from ckpt_engine.interop.dcp_import import import_dcp, read_dcp
 from helpers import assert_same
 import forkserver
@@ -79,7 +80,7 @@ def test_export_has_dcps_keys_values_and_planner_data(ours, tmp_path):
 def test_export_errors_name_the_dcp_key(ours, tmp_path):
     root, state = ours
     out = str(tmp_path / "dcp")
-    export_dcp(root, out)
+    export(root, out, format="dcp")
     absent = {"model": {**{k: torch.zeros_like(v) for k, v in state["model"].items()}, "4.weight": torch.zeros(2)}}
     with pytest.raises(CheckpointException, match=r"Missing key in checkpoint state_dict: model\.4\.weight"):
         dcp.load(absent, checkpoint_id=out)
@@ -87,7 +88,7 @@ def test_export_errors_name_the_dcp_key(ours, tmp_path):
     with pytest.raises(CheckpointException, match=r"Size mismatch.*model\.0\.weight"):
         dcp.load(other, checkpoint_id=out)
     with pytest.raises(CheckpointError, match=r"already holds a DCP checkpoint \(\.metadata\)"):
-        export_dcp(root, out)
+        export(root, out, format="dcp")
 
 
 def test_corrupt_byte_fails_the_export_and_leaves_no_metadata(ours, tmp_path, capsys):

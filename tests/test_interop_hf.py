@@ -147,7 +147,7 @@ def test_mixed_dtypes_read_back_with_safetensors_bit_for_bit(tmp_path):
 
 _PEAK = """
 import json, sys
-from ckpt_engine.cli.common import open_newest
+from ckpt_engine.load.open import open_newest
 from ckpt_engine.interop.hf import export_hf
 from ckpt_engine.storage import Storage
 

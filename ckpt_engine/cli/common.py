@@ -13,9 +13,6 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .. import progress
-from ..errors import NoCheckpointError
-from ..format import catalog
-from ..load.open import Opened, open_checkpoint
 from ..storage import Storage
 
 OK, DIFFERENT, ERROR = 0, 1, 2
@@ -65,20 +62,6 @@ def open_storage(args: argparse.Namespace, path: str | None = None) -> Storage:
 def root(storage: Storage) -> str:
     """The root as shown in messages (no trailing slash)."""
     return storage.describe("").rstrip("/") or "/"
-
-
-def open_newest(storage: Storage, step: int | None) -> Opened:
-    """The newest committed checkpoint at ``storage`` (or of ``step``), manifest and indexes checked.
-
-    Raises :class:`NoCheckpointError` listing the committed steps when there is none.
-    """
-    found = catalog.manifest_dirs(storage, step)
-    if not found:
-        which = "" if step is None else f" of step {step}"
-        steps = [e.step for e in catalog.committed(storage)]
-        raise NoCheckpointError(f"no committed checkpoint{which} at {root(storage)} "
-                                f"(committed steps: {steps or 'none'}); see `ckpt ls {root(storage)}`")
-    return open_checkpoint(storage, found[-1][1])
 
 
 def wants_bar(args: argparse.Namespace) -> bool:

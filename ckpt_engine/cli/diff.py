@@ -1,6 +1,6 @@
 """``ckpt diff``: which values of two checkpoints' replicated states differ, and by how much.
 
-Keys are matched by their flat key (:mod:`ckpt_engine.cli.tree`). Tensors are read one at a time
+Keys are matched by their flat key (:mod:`ckpt_engine.state.tree`). Tensors are read one at a time
 (:func:`restore.tensor_reader`: verified, memory bounded by the largest tensor) and compared in
 chunks; a tensor whose slices carry the same ranges and checksums in both checkpoints is
 reported unchanged without reading it (same xxh3-64 over the same bytes). Plain values are
@@ -19,14 +19,14 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from ..load.open import Opened
+from ..load.open import Opened, open_newest
 from ..load.read import tensor_reader
 from ..progress import Bar
+from ..state.tree import TensorRef, flatten, is_tensor, refs_tree, short_repr
 from ..state.values import encode
 from ..storage import Storage
-from .common import DIFFERENT, OK, Parents, UsageError, open_newest, open_storage, print_json, wants_bar
+from .common import DIFFERENT, OK, Parents, UsageError, open_storage, print_json, wants_bar
 from .table import render
-from .tree import TensorRef, flatten, is_tensor, refs_tree, short_repr
 
 CHUNK = 1 << 22
 """Elements compared at a time: bounds the temporary float64 copies to a few tens of MiB."""

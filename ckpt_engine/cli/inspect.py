@@ -3,7 +3,7 @@
 No data file is read: tensor dtypes, shapes and placement come from the tensor tables (a sharded
 tensor's mesh and placements from the manifest, its chunks and the ranks that wrote each from the
 index files), plain values from the typed-JSON trees (all verified by :func:`restore.open_checkpoint`).
-Keys are the flat keys of :mod:`ckpt_engine.cli.tree`.
+Keys are the flat keys of :mod:`ckpt_engine.state.tree`.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..format.entries import TensorEntry
-from ..load.open import Opened
+from ..load.open import Opened, open_newest
+from ..state.tree import TensorRef, flatten, is_tensor, refs_tree, short_repr, type_name
 from ..state.values import encode
-from .common import OK, Parents, UsageError, open_newest, open_storage, print_json
+from .common import OK, Parents, UsageError, open_storage, print_json
 from .table import human, iso, render
-from .tree import TensorRef, flatten, is_tensor, refs_tree, short_repr, type_name
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ from typing import Any
 from .. import progress
 from ..errors import CorruptionError, FormatError, InsufficientMemoryError, NoCheckpointError
 from ..format import catalog
-from ..load.open import open_checkpoint
+from ..load.open import open_checkpoint, open_newest
 from ..load.read import verify
 from ..storage import Storage
-from .common import DIFFERENT, OK, Parents, open_newest, open_storage, print_json, root, wants_bar
+from .common import DIFFERENT, OK, Parents, open_storage, print_json, root, wants_bar
 from .table import human
 
 

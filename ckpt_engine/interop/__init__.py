@@ -25,10 +25,10 @@ def export(root: str, out: str, *, format: str = "torch", step: int | None = Non
     Raises :class:`~ckpt_engine.errors.NoCheckpointError` when there is no such checkpoint and
     :class:`ValueError` for an unknown format or a missing ``prefix`` with ``hf``.
     """
-    from ..cli.common import open_newest
-    from ..cli.export import FORMATS
-    from ..cli.export import export as export_one
+    from ..load.open import open_newest
     from ..storage import Storage
+    from .files import FORMATS
+    from .files import export as export_one
 
     if format not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")

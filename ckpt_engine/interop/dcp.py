@@ -1,6 +1,6 @@
 """Writing a torch.distributed.checkpoint (DCP) directory from a checkpoint of ours: ``ckpt export --format dcp``.
 
-:func:`export_dcp` and :func:`write_dcp` run DCP's own ``dcp.save`` on one process
+:func:`write_dcp` (``ckpt_engine.export(..., format="dcp")``) runs DCP's own ``dcp.save`` on one process
 (``no_dist=True``), giving it the checkpoint's state tree with a placeholder for every tensor (a
 zero-stride view of one element: the tensor's shape and dtype, no memory of its size), and its
 planner's ``resolve_data`` reads each tensor from our checkpoint only when DCP's writer asks for it
@@ -198,17 +198,3 @@ def write_dcp(storage: Storage, ck: Opened, out: str, *, out_options: dict[str, 
     tensors = [k for k in kinds if isinstance(k, dcp_metadata.TensorStorageMetadata)]
     return DcpExport(out, m.step, len(tensors), sum(t.size.numel() * t.properties.dtype.itemsize for t in tensors),
                      len(kinds) - len(tensors), sum(i.length for i in infos), len({i.relative_path for i in infos}))
-
-
-def export_dcp(root: str, out: str, *, step: int | None = None, storage_options: dict[str, Any] | None = None,
-               out_options: dict[str, Any] | None = None, file_bytes: int = FILE_BYTES) -> DcpExport:
-    """Write the newest committed checkpoint at ``root`` (or that of ``step``) as a DCP checkpoint in ``out``.
-
-    What ``ckpt export ROOT OUT --format dcp`` does; ``dcp.load(state, checkpoint_id=out)`` then
-    loads it on any number of ranks. See :func:`write_dcp` for the errors (and
-    :class:`NoCheckpointError` when there is no such checkpoint).
-    """
-    from ..cli.common import open_newest
-
-    storage = Storage(root, storage_options or {})
-    return write_dcp(storage, open_newest(storage, step), out, out_options=out_options, file_bytes=file_bytes)

@@ -28,14 +28,13 @@ that the new one does not write (shards, index) are then removed, as ``save_pret
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 import struct
 import uuid
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import IO, Any, Callable, Iterator, Sequence
 
 import fsspec
@@ -43,9 +42,7 @@ import numpy as np
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from ..cli.common import OK, UsageError, open_newest, open_storage, print_json, storage_options, wants_bar
-from ..cli.table import human
-from ..cli.tree import TensorRef, flatten, is_tensor, refs_tree
+from ..state.tree import TensorRef, flatten, is_tensor, refs_tree
 from ..errors import CheckpointError, StorageError
 from ..load.open import Opened
 from ..load.read import tensor_reader
@@ -316,26 +313,3 @@ def export_hf(storage: Storage, ck: Opened, out: str, *, prefix: str,
         raise
     files = tuple(names + ([CONFIG] if config_text is not None else []) + ([INDEX] if len(shards) > 1 else []))
     return HfResult(out, ck.manifest.step, prefix, files, len(weights), total, tied, tuple(skipped))
-
-
-def cmd_hf(args: argparse.Namespace) -> int:
-    """``ckpt export ROOT OUT_DIR --format hf``: write the folder, print what was written."""
-    if args.flat or args.include_local or args.local_rank is not None:
-        raise UsageError("--format hf writes the tensors under --prefix only: --flat, --include-local and "
-                         "--local-rank are for the torch and safetensors formats")
-    if args.prefix is None:
-        raise UsageError("--format hf needs --prefix: the key prefix of the model's weights in the state "
-                              "(model. for {'model': model.state_dict(), ...}; '' when the state is the state_dict)")
-    storage = open_storage(args)
-    opened = open_newest(storage, args.step)
-    result = export_hf(storage, opened, args.out, prefix=args.prefix,
-                       max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE, config=args.config,
-                       out_options=storage_options(args.out_option, "--out-option"), progress=wants_bar(args))
-    if args.json:
-        print_json(asdict(result))
-    elif not args.quiet:
-        tied = f"; tied, written once: {', '.join(f'{a} = {b}' for a, b in result.tied.items())}" if result.tied else ""
-        skipped = f"; plain values left out: {', '.join(result.skipped)}" if result.skipped else ""
-        print(f"exported step {result.step} ({result.prefix or 'every tensor'}) to {result.out} (hf): "
-              f"{result.tensors} tensors ({human(result.total_size)}) in {', '.join(result.files)}{tied}{skipped}")
-    return OK

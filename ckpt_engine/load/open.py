@@ -10,8 +10,8 @@ from typing import Callable, Sequence
 
 import xxhash
 
-from ..errors import CorruptionError, FormatError, StorageError
-from ..format.catalog import parse_dir
+from ..errors import CorruptionError, FormatError, NoCheckpointError, StorageError
+from ..format.catalog import committed, manifest_dirs, parse_dir
 from ..format.entries import MANIFEST_NAME, MAX_INDEX_BYTES, MAX_MANIFEST_BYTES, TensorEntry, data_file, index_file
 from ..format.manifest import Manifest, RankIndex, check_coverage
 from ..host import headroom
@@ -61,6 +61,22 @@ def open_checkpoint(storage: Storage, dirname: str) -> Opened:
         indexes.append(idx)
     check_coverage(manifest, indexes, lambda r: storage.describe(f"{dirname}/{index_file(r)}"))
     return Opened(dirname, manifest, tuple(indexes))
+
+
+def open_newest(storage: Storage, step: int | None = None) -> Opened:
+    """The newest committed checkpoint at ``storage`` (or of ``step``), opened: its manifest and
+    indexes checked, no data read.
+
+    Raises :class:`NoCheckpointError` listing the committed steps when there is none.
+    """
+    found = manifest_dirs(storage, step)
+    if not found:
+        which = "" if step is None else f" of step {step}"
+        where = storage.describe("").rstrip("/") or "/"
+        steps = [e.step for e in committed(storage)]
+        raise NoCheckpointError(f"no committed checkpoint{which} at {where} "
+                                f"(committed steps: {steps or 'none'}); see `ckpt ls {where}`")
+    return open_checkpoint(storage, found[-1][1])
 
 
 def _check_belongs(idx: RankIndex, manifest: Manifest, rank: int, data_bytes: int, where: str) -> None:

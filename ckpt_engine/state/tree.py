@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError
-from ..state.decode import decode
+from .decode import decode
 
 ROOT_KEY = "state"
 
