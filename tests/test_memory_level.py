@@ -232,6 +232,9 @@ def test_a_lost_node_resumes_from_the_newest_step_in_the_other_nodes_memory(tmp_
     shutil.rmtree(mem / "test" / "node-1")
     shutil.copytree(mem, tmp_path / "mem-node-0")  # for the jobs restarted on node 0 alone, below
     shutil.copytree(mem, tmp_path / "mem-half", ignore=shutil.ignore_patterns("rank-00002", "rank-00003"))
+    assert main(["ls", str(tmp_path / "mem-half" / "test"), "--json"]) == 0  # writers 2 and 3 lost: not assemblable
+    half = {r["step"]: r["levels"][0]["status"] for r in json.loads(capsys.readouterr().out)}
+    assert half[3] == "partial (node-0: 2/4 parts)", half
     assert main(["ls", str(mem / "test"), str(tmp_path / "disk")]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].split() == ["step", "level", "1:", str(mem / "test"), "level", "2:", str(tmp_path / "disk")]

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..format import catalog
 from ..format.entries import MANIFEST_NAME
-from ..levels.open import local_catalog
+from ..levels.open import assemblable, held_catalog
 from ..storage import Storage
 from .common import OK, Parents, open_storage, print_json
 from .gc import usage
@@ -73,22 +73,22 @@ def node_dirs(root: str) -> list[str]:
 
 def memory_steps(root: str) -> dict[int, str]:
     """What a memory level at ``root`` holds, by step: ``whole (node-0: 4/4 parts, ...)`` when the
-    nodes here hold every writer's part of the newest attempt, else ``partial (...)``."""
-    holds: dict[tuple[int, str], dict[str, set[int]]] = {}
+    nodes here hold every writer's part of the newest attempt, else ``partial (...)``. Whole is what
+    a restore on these nodes could assemble (levels/open.py's :func:`assemblable`, the restore's rule)."""
+    nodes = node_dirs(root)
+    held = [held_catalog(Storage(node), 0, memory=True) for node in nodes]
+    whole = {(step, dirname) for step, dirname, _ in assemblable(held)}
+    parts: dict[tuple[int, str], dict[str, set[int]]] = {}
     writers: dict[tuple[int, str], int] = {}
-    for node in node_dirs(root):
-        storage = Storage(node)
-        for name in storage.listdir(""):
-            if name.startswith("rank-") and name[5:].isdigit():
-                for step, dirname, world in local_catalog(storage.child(name)):
-                    holds.setdefault((step, dirname), {}).setdefault(os.path.basename(node), set()).add(int(name[5:]))
-                    writers[(step, dirname)] = world
+    for node, view in zip(nodes, held):
+        for writer, catalog_ in view.items():
+            for step, dirname, world in catalog_:
+                parts.setdefault((step, dirname), {}).setdefault(os.path.basename(node), set()).add(int(writer))
+                writers[(step, dirname)] = world
     out: dict[int, str] = {}
-    for (step, dirname), by_node in sorted(holds.items()):
-        world = writers[(step, dirname)]
-        whole = set().union(*by_node.values()) >= set(range(world))
-        where = ", ".join(f"{n}: {len(w)}/{world} parts" for n, w in sorted(by_node.items()))
-        out[step] = f"{'whole' if whole else 'partial'} ({where})"
+    for key, by_node in sorted(parts.items()):  # a step's newest attempt last: it is the one listed
+        where = ", ".join(f"{n}: {len(w)}/{writers[key]} parts" for n, w in sorted(by_node.items()))
+        out[key[0]] = f"{'whole' if key in whole else 'partial'} ({where})"
     return out
 
 
