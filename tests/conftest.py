@@ -64,7 +64,7 @@ def az_url(azurite_server):
     return f"abfs://ckpt/run-{uuid.uuid4().hex[:12]}"
 
 
-@pytest.fixture(params=["local", "memory", pytest.param("s3", marks=pytest.mark.s3),
+@pytest.fixture(params=["local", "memory", "fsspec-local", pytest.param("s3", marks=pytest.mark.s3),
                         pytest.param("azure", marks=pytest.mark.azure)])
 def any_url(request, tmp_path):
     """The same test on every backend (the storage conformance suite)."""
@@ -72,6 +72,8 @@ def any_url(request, tmp_path):
         return str(tmp_path / "ck")
     if request.param == "memory":
         return f"memory://ckpt-test-{uuid.uuid4().hex}"
+    if request.param == "fsspec-local":  # this machine's files through fsspec (FsspecStorage, not LocalStorage)
+        return f"dir::file://{tmp_path / 'ck'}"
     return request.getfixturevalue("s3_url" if request.param == "s3" else "az_url")
 
 

@@ -304,4 +304,4 @@ def test_server_tests_are_left_out_by_their_marker(pytester):
     pytester.makepyfile(test_small=SMALL_SUITE)
     result = pytester.inline_run("--collect-only", "-p", "no:cacheprovider", "-m", "not s3 and not azure")
     kept = [item.name for item in result.getcalls("pytest_collection_finish")[0].session.items]
-    assert kept == ["test_any[local]", "test_any[memory]", "test_none"]
+    assert kept == ["test_any[local]", "test_any[memory]", "test_any[fsspec-local]", "test_none"]

@@ -85,8 +85,8 @@ class FsspecStorage(Storage):
             self.run("create directory", rel, lambda: self.fs.makedirs(self.path(rel), exist_ok=True))
 
     def write_stream(self, rel: str, chunks: Chunks, *, sync_dir: bool = True) -> int:
-        if isinstance(chunks, collections.abc.Iterator):
-            chunks = list(chunks)  # a retry writes them again
+        if isinstance(chunks, collections.abc.Iterator):  # a retry writes them again; a failure is the write's
+            chunks = self.run("write", rel, lambda: list(chunks))  # type: ignore[arg-type]
         if self.protocol in _S3:
             return self.run("write", rel, lambda: s3_parts.upload(
                 self.fs, self.path(rel), chunks, part_bytes=_OBJECT_BLOCK, in_flight=self.parts_in_flight))

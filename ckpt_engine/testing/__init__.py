@@ -42,9 +42,9 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
-from .format.catalog import LATEST, parse_dir
-from .format.entries import MANIFEST_NAME
-from .storage import LocalStorage, Storage
+from ..format.catalog import LATEST, parse_dir
+from ..format.entries import MANIFEST_NAME
+from ..storage import LocalStorage, Storage
 
 T = TypeVar("T")
 
