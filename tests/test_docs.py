@@ -162,6 +162,8 @@ def test_docs_and_examples_import_only_what_the_packages_export() -> None:
         for m in IMPORT.finditer(text):
             package, module, names = m.group(1), m.group(2), [n.strip() for n in m.group(3).split(",") if n.strip()]
             line = text.count("\n", 0, m.start()) + 1
+            if f"{package}{module}".startswith("ckpt_engine.testing"):
+                continue  # the test support (a backend's conformance suite), imported from where it lives
             if module:
                 wrong.append(f"{path.relative_to(ROOT)}:{line}: from {package}{module} (import from {package})")
             wrong += [f"{path.relative_to(ROOT)}:{line}: {package}.{n} is not in {package}.__all__"
