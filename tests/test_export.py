@@ -158,3 +158,13 @@ def test_ckpt_engine_export_writes_every_format_from_python(tmp_path):
     with pytest.raises(ValueError, match="required there"):
         ckpt_engine.export(root, str(tmp_path / "x"), format="hf")
     assert "export" in ckpt_engine.__all__
+
+
+def test_lazily_exported_names_resolve_and_an_unknown_one_is_an_attribute_error():
+    from ckpt_engine.interop import dcp_import
+
+    import ckpt_engine
+
+    assert ckpt_engine.import_dcp is dcp_import.import_dcp and ckpt_engine.read_dcp is dcp_import.read_dcp
+    with pytest.raises(AttributeError, match="module 'ckpt_engine' has no attribute 'import_dcpp'"):
+        ckpt_engine.import_dcpp  # noqa: B018
