@@ -13,7 +13,7 @@ bash scripts/setup_env.sh
 # fixtures, e.g. the S3 server, are made once per module, as in one process), the modules marked slow
 # handed out first (tests/conftest.py orders them; --no-loadscope-reorder keeps that order). The jobs
 # the tests start are forked from tests/forkserver.py's server (torch and Lightning imported once per
-# worker). 10 min 34 s on 2 cores (2026-11-28), busy ~83 % of the time.
+# worker). 14 min 11 s on 2 cores beside a CPU-bound process on one of them (2026-11-28, 937 tests).
 # TEST_WORKERS=0 runs it in one process; -n/--dist passed to this script win over these.
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
