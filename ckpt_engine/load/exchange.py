@@ -18,7 +18,7 @@ name and, where torchrun sets it, ``GROUP_RANK``.
 
 Verification does not weaken: every byte is checked against its checksum by the rank that read
 it. Each rank reads its share alone (:meth:`Exchange.start`, no communication), the ranks agree
-on the verdicts (:func:`restore_agreed.restore`'s all-gather), and only then exchange
+on the verdicts (the restore search's all-gather, load/search.py), and only then exchange
 (:meth:`Exchange.finish`, collectives first, any further reads last, followed by a second
 agreement): a rank that fails anywhere never leaves the others waiting in a collective, and the
 agreed fallback moves every rank to the same older checkpoint. The communicator must offer ``broadcast_tensor`` (the
