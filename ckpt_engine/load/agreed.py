@@ -118,11 +118,10 @@ def read_locals(storage: Storage, ck: Opened, rank: int) -> dict[int, Any]:
 
 @dataclass(frozen=True)
 class Copy:
-    """A checkpoint directory to try on a level (``level``: its index, 0 the fastest)."""
+    """A checkpoint directory to try on the one level."""
 
     step: int
     dirname: str
-    level: int = 0
 
 
 def restore(storage: Storage, comm: Comm, step: int | None, fallback: bool, threads: int, failures: list[str], *,

@@ -41,35 +41,31 @@ class Retention:
         return frozenset(self.superseded) | self.beyond
 
 
-def _order(name: str) -> tuple[str, int]:
-    step, attempt = parse_dir(name)  # type: ignore[misc]
-    return attempt, step
-
-
 def retention(committed: Iterable[str], keep_last: int | None, *, newest: str | None = None,
               writing: bool = False) -> Retention:
     """Pure: what the rule of the module docstring keeps of ``committed`` (directory names, each with
     its commit marker). ``newest``: the newest commit when the caller knows it (the commit it just
     made; it must be in ``committed``), else the highest attempt tag. Raises ``ValueError`` for a
     name that is not a checkpoint directory, a ``newest`` not in ``committed`` or ``keep_last < 1``."""
-    names = set(committed)
-    for name in names:
-        if parse_dir(name) is None:
+    parsed: dict[str, tuple[int, str]] = {}
+    for name in set(committed):
+        found = parse_dir(name)
+        if found is None:
             raise ValueError(f"{name!r} is not a checkpoint directory name (step-<step>-<attempt>)")
-    ordered = sorted(names, key=_order)
+        parsed[name] = found
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be at least 1 (the newest checkpoint is always kept), got {keep_last}")
-    if newest is not None and newest not in names:
+    if newest is not None and newest not in parsed:
         raise ValueError(f"the newest commit {newest!r} is not among the committed checkpoints given")
-    if not ordered:
+    if not parsed:
         return Retention(frozenset(), {}, frozenset(), None)
+    ordered = sorted(parsed, key=lambda n: (parsed[n][1], parsed[n][0]))  # by attempt tag, then step
     newest = ordered[-1] if newest is None else newest
     latest: dict[int, str] = {}  # step -> its newest attempt (ascending attempt order: the last one wins)
     for name in ordered:
-        latest[parse_dir(name)[0]] = name  # type: ignore[index]
-    latest[parse_dir(newest)[0]] = newest  # type: ignore[index]
-    superseded = {name: latest[parse_dir(name)[0]] for name in ordered  # type: ignore[index]
-                  if latest[parse_dir(name)[0]] != name}  # type: ignore[index]
+        latest[parsed[name][0]] = name
+    latest[parsed[newest][0]] = newest
+    superseded = {name: latest[parsed[name][0]] for name in ordered if latest[parsed[name][0]] != name}
     others = sorted((s for s, name in latest.items() if name != newest), reverse=True)
     budget = len(others) if keep_last is None else max(0, keep_last - 1 - (1 if writing else 0))
     kept_steps = others[:budget]
