@@ -67,7 +67,7 @@ def rank_job(a: argparse.Namespace) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     ck = horovod_ckpt.HorovodCheckpointer(a.ckpt_dir, model=model, optimizer=optimizer, keep_last=None,
-                                          final_checkpoint=a.prepare, save_on_sigterm=False)
+                                          save_on_train_end=a.prepare, save_on_sigterm=False)
     restore_s, _ = _timed(ck.restore)
     g = torch.Generator().manual_seed(hvd.rank())
     batch = [(torch.randn(a.batch, a.width, generator=g), torch.randn(a.batch, a.width, generator=g))

@@ -606,7 +606,7 @@ def bench_train(args: argparse.Namespace) -> dict[str, Any]:
         runs.append(("dcp_async_pinned_every_10", lambda: train_dcp(tr, root, n, 10, pinned="fresh")))
     runs += [
         ("ours_budget_3.5%", lambda: train_ours(tr, root, 2 * n if args.tiny else 120,
-                                                CheckpointConfig(path=root, overhead_budget=0.035).policy())),
+                                                CheckpointConfig(dirpath=root, overhead_budget=0.035).policy())),
         ("ours_every_1", lambda: train_ours(tr, root, max(4, n // 3), EveryNSteps(1))),
         ("baseline_end", lambda: {"step_s": tr.loop(n), "checkpoints": 0}),
     ]

@@ -29,7 +29,8 @@ from collections import deque
 from typing import Any, Literal, Sequence
 
 from .comm import Comm, LocalComm, copy_threads_for, cores_per_rank
-from .config import CheckpointConfig, level_specs
+from .config import CheckpointConfig
+from .config_levels import level_specs
 from .errors import CheckpointError, CheckpointWarning
 from .format.catalog import dir_name
 from .host.collector import pause_collector, resume_collector
@@ -145,13 +146,13 @@ class Checkpointer(CheckpointReading):
 
     @classmethod
     def from_config(cls, config: CheckpointConfig, *, comm: Comm | None = None, **kwargs: Any) -> "Checkpointer":
-        """The checkpointer a validated :class:`CheckpointConfig` describes (``path`` or ``levels``,
+        """The checkpointer a validated :class:`CheckpointConfig` describes (``dirpath`` or ``levels``,
         ``keep_last``, ``storage_options``, ``restore_route``); ``kwargs`` are the other constructor arguments
         (``max_inflight``, ``on_busy``, ``on_error``, ``commit_timeout``, ``flush_retries`` ...).
 
         What the front ends call, so that ``levels`` works from YAML in all of them.
         """
-        where = {"levels": config.levels} if config.levels is not None else {"path": config.path}
+        where = {"levels": config.levels} if config.levels is not None else {"path": config.dirpath}
         return cls(**where, comm=comm, keep_last=config.keep_last, storage_options=dict(config.storage_options),
                    restore_route=config.restore_route, **kwargs)  # type: ignore[arg-type]
 

@@ -1,12 +1,17 @@
 """The one configuration schema shared by the Lightning callback and the Horovod hook.
 
-Flags (keyword arguments or YAML keys): ``path``, ``every_n_steps``, ``every_seconds``,
-``overhead_budget``, ``max_interval``, ``keep_last``, ``levels``, ``storage_options``,
-``restore_route`` (``auto``, ``read`` or ``exchange``: how a restore on several ranks gets the
-replicated state, see ``ckpt_engine.load.exchange``), ``deterministic_reduction`` (read by the
-Horovod hook: gradients summed in the same order in every run, so that a resume on more than 2
-ranks is bit-identical; see ``horovod_ckpt.reduction``). The three
-triggers are mutually exclusive; ``max_interval`` ("at least every ... seconds") composes with any.
+Flags (keyword arguments or YAML keys), under Lightning's ``ModelCheckpoint`` names where it has
+the concept: ``dirpath``, ``every_n_train_steps``, ``train_time_interval`` (seconds, or a
+``timedelta``), ``overhead_budget``, ``max_interval``, ``keep_last``, ``levels``,
+``storage_options``, ``restore_route`` (``auto``, ``read`` or ``exchange``: how a restore on several
+ranks gets the replicated state, see ``ckpt_engine.load.exchange``), ``deterministic_reduction``
+(read by the Horovod hook: gradients summed in the same order in every run, so that a resume on
+more than 2 ranks is bit-identical; see ``horovod_ckpt.reduction``), ``save_on_train_end`` and
+``save_on_sigterm`` (read by the front ends: the final checkpoints). The three triggers are
+mutually exclusive; ``max_interval`` ("at least every ... seconds") composes with any.
+The names of the first release (``path``, ``every_n_steps``, ``every_seconds``, and the Horovod
+hook's ``final_checkpoint``) still work, with a :class:`DeprecationWarning` once per name
+(:data:`RENAMED`, :func:`renamed`).
 ``storage_options`` go to fsspec; the one the library reads too, ``max_concurrency`` (on S3: the
 parts of one file uploaded, or ranges of one read fetched, at once; s3fs's default 10), is checked
 here to be a positive integer.
@@ -14,7 +19,7 @@ Validation happens here, once, with messages that echo the bad key or value. A f
 flags, over a YAML file or mapping, become one :class:`CheckpointConfig` in :func:`resolve_config`
 (one ``keep_last`` default, :data:`DEFAULT_KEEP_LAST`, for every front end).
 
-``levels`` (instead of ``path``) lists the persistence levels, fastest first: each entry a path, or
+``levels`` (instead of ``dirpath``) lists the persistence levels, fastest first: each entry a path, or
 a mapping ``{path: ..., storage_options: {...}, keep_last: N}``; the top-level ``storage_options``
 and ``keep_last`` are the defaults of entries that do not set their own. In YAML::
 
@@ -38,161 +43,58 @@ derived from the other levels, so that a restarted job finds it)::
 from __future__ import annotations
 
 import dataclasses
-import re
+import functools
+import warnings
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Mapping
 
 import yaml
 
+from .config_levels import LevelSpec, _check, _check_storage_options, _is_storage, _positive, parse_levels
 from .errors import ConfigError
 from .load.exchange import ROUTES
 from .training.policy import Adaptive, EveryNSteps, EverySeconds, MaxInterval, Policy
 
 
-@dataclass(frozen=True)
-class LevelSpec:
-    """One persistence level as configured: where, with which fsspec options, how many to keep.
-
-    ``path`` is a path or fsspec URL, or a ``Storage`` instance when built in code (tests wrap one).
-    """
-
-    path: Any
-    storage_options: Mapping[str, Any] = field(default_factory=dict)
-    keep_last: int | None = None
-    kind: str = "storage"
-    """``"storage"`` (a directory or fsspec URL) or ``"memory"`` (node memory, levels/memory.py)."""
-    replicas: int = 1
-    """Memory level: peer ranks on other nodes that get a copy of each rank's part (0: none)."""
-    budget: int | None = None
-    """Memory level: bytes one node may hold in checkpoints (its ranks' parts and the replicas it keeps)."""
-    job: str | None = None
-    """Memory level: the job that owns the node's memory (default: derived from the other levels)."""
-
-    @property
-    def memory(self) -> bool:
-        """Whether this is a node-memory level."""
-        return self.kind == "memory"
-
-    @property
-    def location(self) -> str:
-        """The level's root as text (a ``Storage``'s URL)."""
-        return self.path if isinstance(self.path, str) else str(getattr(self.path, "url", self.path))
+RENAMED: Mapping[str, str] = {"path": "dirpath", "every_n_steps": "every_n_train_steps",
+                              "every_seconds": "train_time_interval", "final_checkpoint": "save_on_train_end"}
+"""The flags of the first release and their names now (Lightning's ``ModelCheckpoint``'s): the old
+ones still work for one release, with a :class:`DeprecationWarning`."""
+_warned: set[str] = set()
 
 
-_LEVEL_KEYS = ("path", "storage_options", "keep_last", "kind", "replicas", "budget", "job")
-_MEMORY_KEYS = ("replicas", "budget", "job")
-DEFAULT_MEMORY_ROOT = "/dev/shm/ckpt-suite"
-"""Where a memory level lives when its ``path`` is not given: the node's shared memory."""
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-
-
-def parse_bytes(value: Any, key: str) -> int:
-    """A byte count from an int or a text such as ``"8GiB"``, ``"500 MB"``; :class:`ConfigError` otherwise."""
-    if type(value) is int and value > 0:
-        return value
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
-        if m and m.group(2).lower() in _UNITS and float(m.group(1)) > 0:
-            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    raise ConfigError(f"{key}={value!r} is invalid: expected a positive number of bytes, e.g. 8589934592 or '8GiB'")
-
-
-def parse_levels(entries: Any, *, storage_options: Mapping[str, Any] | None = None, keep_last: int | None = None,
-                 allow_storage: bool = False) -> tuple[LevelSpec, ...]:
-    """Validate ``levels`` entries (fastest first) into :class:`LevelSpec`; raises :class:`ConfigError`.
-
-    Each entry is a path string or a mapping with ``path`` and optionally ``storage_options`` and
-    ``keep_last``; ``storage_options`` / ``keep_last`` given here are the defaults of entries that do
-    not set their own. ``allow_storage``: entries (or their ``path``) may be ``Storage`` objects.
-    """
-    if isinstance(entries, (str, bytes, Mapping)) or not isinstance(entries, (list, tuple)) or not entries:
-        raise ConfigError(f"'levels' must be a non-empty list of paths or {{path: ...}} mappings, got {entries!r}")
-    specs = tuple(_level(e, i, storage_options or {}, keep_last, allow_storage) for i, e in enumerate(entries))
-    seen: dict[str, int] = {}
-    for i, spec in enumerate(specs):
-        key = spec.location.removeprefix("file://").rstrip("/")
-        if key in seen:
-            raise ConfigError(f"levels[{i}] ({spec.location!r}) is the same place as levels[{seen[key]}]; "
-                              "each level needs its own root")
-        seen[key] = i
-    return specs
-
-
-def level_specs(path: Any, levels: Any, storage_options: Mapping[str, Any] | None,
-                keep_last: int | None) -> tuple[LevelSpec, ...]:
-    """The levels of a checkpointer: ``path`` as the only one, or the validated ``levels`` (which
-    may hold ``Storage`` objects), with ``storage_options`` and ``keep_last`` as their defaults."""
-    if (path is None) == (levels is None):
-        raise ConfigError("give exactly one of path (one level) or levels=[fastest, ..., slowest]; "
-                          f"got path={path!r}, levels={levels!r}")
-    if levels is None:
-        return (LevelSpec(path, dict(storage_options or {}), keep_last),)
-    return parse_levels(levels, storage_options=storage_options, keep_last=keep_last, allow_storage=True)
-
-
-def _level(entry: Any, i: int, options: Mapping[str, Any], keep_last: int | None, allow_storage: bool) -> LevelSpec:
-    where = f"levels[{i}]"
-    if isinstance(entry, LevelSpec):
-        entry = {k: getattr(entry, k) for k in _LEVEL_KEYS if entry.memory or k not in _MEMORY_KEYS}
-    if not isinstance(entry, Mapping):
-        entry = {"path": entry}
-    unknown = sorted(set(entry) - set(_LEVEL_KEYS), key=str)
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; a level takes "
-                          f"{', '.join(_LEVEL_KEYS)}")
-    kind = entry.get("kind") or "storage"
-    _check(kind in ("storage", "memory"), f"{where}.kind", kind, "'storage' or 'memory' (node memory)")
-    if kind == "memory":
-        return _memory_level(entry, where, i, keep_last)
-    extra = sorted(k for k in _MEMORY_KEYS if entry.get(k) is not None)
-    if extra:
-        raise ConfigError(f"{where}: {', '.join(extra)} apply to a memory level only (kind: memory)")
-    path = entry.get("path")
-    is_storage = allow_storage and _is_storage(path)
-    if not is_storage and (not isinstance(path, str) or not path):
-        raise ConfigError(f"{where}: 'path' must be a non-empty string (a directory or fsspec URL), got {path!r}")
-    own = entry.get("storage_options")
-    _check(own is None or isinstance(own, Mapping), f"{where}.storage_options", own, "a mapping")
-    _check_storage_options(options if own is None else own,
-                           "storage_options" if own is None else f"{where}.storage_options")
-    level_keep = entry["keep_last"] if "keep_last" in entry else keep_last  # an explicit null keeps all
-    _check(level_keep is None or (type(level_keep) is int and level_keep > 0), f"{where}.keep_last", level_keep,
-           "a positive integer")
-    return LevelSpec(path, dict(options if own is None else own), level_keep)
-
-
-def _memory_level(entry: Mapping[str, Any], where: str, i: int, keep_last: int | None) -> LevelSpec:
-    """A node-memory level: the first of the levels, a local directory (default
-    :data:`DEFAULT_MEMORY_ROOT`), ``replicas`` >= 0, an optional ``budget`` in bytes, an optional ``job``."""
-    if i != 0:
-        raise ConfigError(f"{where}: a memory level must be the first (fastest) of the levels")
-    path = entry.get("path") or DEFAULT_MEMORY_ROOT
-    _check(isinstance(path, str) and "://" not in path.removeprefix("file://"), f"{where}.path", path,
-           "a local directory in the node's memory (a tmpfs such as /dev/shm)")
-    if entry.get("storage_options"):
-        raise ConfigError(f"{where}: a memory level is a local directory and takes no storage_options")
-    replicas = entry.get("replicas", 1)
-    _check(type(replicas) is int and replicas >= 0, f"{where}.replicas", replicas, "an integer >= 0")
-    budget = entry.get("budget")
-    job = entry.get("job")
-    _check(job is None or (isinstance(job, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", job) is not None),
-           f"{where}.job", job, "1-64 letters, digits, '_', '.' or '-'")
-    level_keep = entry["keep_last"] if "keep_last" in entry else keep_last
-    _check(level_keep is None or (type(level_keep) is int and level_keep > 0), f"{where}.keep_last", level_keep,
-           "a positive integer")
-    return LevelSpec(path.removeprefix("file://"), {}, level_keep, "memory", replicas,
-                     None if budget is None else parse_bytes(budget, f"{where}.budget"), job)
+def renamed(values: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``values`` with each old flag name (:data:`RENAMED`) replaced by its name now, warning once per
+    process and name (a ``DeprecationWarning`` naming both, and ``where``); both names given is a
+    :class:`ConfigError`."""
+    out = dict(values)
+    for old, new in RENAMED.items():
+        if old not in out:
+            continue
+        if new in out and out[new] is not None and out[old] is not None:
+            raise ConfigError(f"{where}: give {new!r} or its old name {old!r}, not both "
+                              f"({out[new]!r} and {out[old]!r})")
+        value = out.pop(old)
+        if value is not None or new not in out:
+            out[new] = value
+        if old not in _warned:
+            _warned.add(old)
+            warnings.warn(f"{where}: {old!r} is deprecated and will be removed in the next release; "
+                          f"use {new!r} (Lightning's name)", DeprecationWarning, stacklevel=4)
+    return out
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Validated checkpoint settings (see the module docstring for the flags)."""
+    """Validated checkpoint settings, the options object every front end accepts (the module
+    docstring lists the flags)."""
 
-    path: Any = None
+    dirpath: Any = None
     """A directory or fsspec URL; in code also a ``Storage`` (e.g. a ``ckpt_engine.testing`` double)."""
-    every_n_steps: int | None = None
-    every_seconds: float | None = None
+    every_n_train_steps: int | None = None
+    train_time_interval: float | None = None
+    """Seconds (a ``timedelta`` is converted)."""
     overhead_budget: float | None = None
     max_interval: float | None = None
     keep_last: int | None = None
@@ -201,10 +103,16 @@ class CheckpointConfig:
     restore_route: str = "auto"
     deterministic_reduction: bool = False
     """Horovod: tensor fusion off, each tensor reduced alone (``horovod_ckpt.init`` applies it at ``hvd.init()``)."""
+    save_on_train_end: bool = True
+    """Front ends: a final checkpoint when training ends (Lightning's ``on_train_end``, Horovod's ``close()``)."""
+    save_on_sigterm: bool = True
+    """Front ends: on SIGTERM, a checkpoint at a step every rank agrees on, then the signal goes on."""
 
     def __post_init__(self) -> None:
-        if (self.path is None) == (self.levels is None):
-            raise ConfigError("give exactly one of 'path' or 'levels' (the checkpoint location)")
+        if isinstance(self.train_time_interval, timedelta):
+            object.__setattr__(self, "train_time_interval", self.train_time_interval.total_seconds())
+        if (self.dirpath is None) == (self.levels is None):
+            raise ConfigError("give exactly one of 'dirpath' or 'levels' (the checkpoint location)")
         _check(isinstance(self.storage_options, Mapping), "storage_options", type(self.storage_options).__name__,
                "a mapping")
         _check_storage_options(self.storage_options, "storage_options")
@@ -213,30 +121,51 @@ class CheckpointConfig:
         if self.levels is not None:
             object.__setattr__(self, "levels", parse_levels(self.levels, storage_options=self.storage_options,
                                                             keep_last=self.keep_last, allow_storage=True))
-        elif not _is_storage(self.path) and (not isinstance(self.path, str) or not self.path):
-            raise ConfigError(f"'path' must be a non-empty string (or, in code, a Storage), got {self.path!r}")
+        elif not _is_storage(self.dirpath) and (not isinstance(self.dirpath, str) or not self.dirpath):
+            raise ConfigError(f"'dirpath' must be a non-empty string (or, in code, a Storage), got {self.dirpath!r}")
         _check(self.restore_route in ROUTES, "restore_route", self.restore_route,
                f"one of {', '.join(map(repr, ROUTES))}")
-        _check(type(self.deterministic_reduction) is bool, "deterministic_reduction", self.deterministic_reduction,
-               "true or false")
-        triggers = [k for k in ("every_n_steps", "every_seconds", "overhead_budget") if getattr(self, k) is not None]
+        for key in ("deterministic_reduction", "save_on_train_end", "save_on_sigterm"):
+            _check(type(getattr(self, key)) is bool, key, getattr(self, key), "true or false")
+        triggers = [k for k in ("every_n_train_steps", "train_time_interval", "overhead_budget")
+                    if getattr(self, k) is not None]
         if len(triggers) > 1:
             raise ConfigError(f"{' and '.join(triggers)} are mutually exclusive: choose one trigger "
                               "(max_interval composes with any of them)")
-        _check(self.every_n_steps is None or (type(self.every_n_steps) is int and self.every_n_steps > 0),
-               "every_n_steps", self.every_n_steps, "a positive integer")
-        _check(self.every_seconds is None or _positive(self.every_seconds), "every_seconds", self.every_seconds,
-               "a positive number of seconds")
+        _check(self.every_n_train_steps is None
+               or (type(self.every_n_train_steps) is int and self.every_n_train_steps > 0),
+               "every_n_train_steps", self.every_n_train_steps, "a positive integer")
+        _check(self.train_time_interval is None or _positive(self.train_time_interval), "train_time_interval",
+               self.train_time_interval, "a positive number of seconds (or a timedelta)")
         _check(self.overhead_budget is None or (_positive(self.overhead_budget) and self.overhead_budget < 1),
                "overhead_budget", self.overhead_budget, "a fraction in (0, 1), e.g. 0.035")
         _check(self.max_interval is None or _positive(self.max_interval), "max_interval", self.max_interval,
                "a positive number of seconds")
 
+    # the first release's names, read (CheckpointConfig(...) takes them too: _accept_old_names below)
+    @property
+    def path(self) -> Any:
+        """Deprecated: :attr:`dirpath`."""
+        renamed({"path": None}, "CheckpointConfig")
+        return self.dirpath
+
+    @property
+    def every_n_steps(self) -> int | None:
+        """Deprecated: :attr:`every_n_train_steps`."""
+        renamed({"every_n_steps": None}, "CheckpointConfig")
+        return self.every_n_train_steps
+
+    @property
+    def every_seconds(self) -> float | None:
+        """Deprecated: :attr:`train_time_interval`."""
+        renamed({"every_seconds": None}, "CheckpointConfig")
+        return self.train_time_interval
+
     @property
     def location(self) -> str:
-        """The checkpoint root as text: ``path`` (a ``Storage``'s URL), or the first (fastest) level's."""
-        if self.path is not None:
-            return LevelSpec(self.path).location
+        """The checkpoint root as text: ``dirpath`` (a ``Storage``'s URL), or the first (fastest) level's."""
+        if self.dirpath is not None:
+            return LevelSpec(self.dirpath).location
         return self.levels[0].location  # type: ignore[index]
 
     def policy(self) -> Policy:
@@ -246,10 +175,10 @@ class CheckpointConfig:
         preemption checkpoints) unless ``max_interval`` is set.
         """
         inner: Policy | None = None
-        if self.every_n_steps is not None:
-            inner = EveryNSteps(self.every_n_steps)
-        elif self.every_seconds is not None:
-            inner = EverySeconds(self.every_seconds)
+        if self.every_n_train_steps is not None:
+            inner = EveryNSteps(self.every_n_train_steps)
+        elif self.train_time_interval is not None:
+            inner = EverySeconds(self.train_time_interval)
         elif self.overhead_budget is not None:
             inner = Adaptive(self.overhead_budget)
         if self.max_interval is not None:
@@ -258,8 +187,10 @@ class CheckpointConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], source: str = "configuration") -> "CheckpointConfig":
-        """Build from a mapping; unknown keys fail naming them and the known ones."""
+        """Build from a mapping; unknown keys fail naming them and the known ones; the old names
+        (:data:`RENAMED`) still work, warning."""
         known = {f.name for f in dataclasses.fields(cls)}
+        values = renamed(values, source)
         unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(f"{source}: unknown key(s) {', '.join(map(repr, unknown))}; "
@@ -270,6 +201,19 @@ class CheckpointConfig:
     def from_yaml(cls, file: str, **overrides: Any) -> "CheckpointConfig":
         """Read a YAML mapping of the flags from ``file``; keyword ``overrides`` win."""
         return cls.from_dict({**read_yaml(file), **overrides}, source=file)
+
+
+def _accept_old_names(init: Any) -> Any:
+    """``CheckpointConfig(path=...)`` and the other old names (:data:`RENAMED`) still work, warning."""
+
+    @functools.wraps(init)
+    def __init__(self: CheckpointConfig, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **renamed(kwargs, "CheckpointConfig"))
+
+    return __init__
+
+
+CheckpointConfig.__init__ = _accept_old_names(CheckpointConfig.__init__)  # type: ignore[method-assign]
 
 
 def read_yaml(file: str) -> dict[str, Any]:
@@ -314,6 +258,7 @@ def resolve_config(config: "str | Mapping[str, Any] | CheckpointConfig | None",
     it is also the default of every level); a ``CheckpointConfig`` is taken as it is."""
     given = given_flags(flags)
     if isinstance(config, CheckpointConfig):
+        given = renamed(given, "flags")
         return dataclasses.replace(config, **given) if given else config
     source = "configuration"
     values: dict[str, Any] = {}
@@ -337,27 +282,3 @@ class Never(Policy):
 
     def next_due(self, step: int) -> int:
         return 2**62
-
-
-def _is_storage(x: object) -> bool:
-    """A :class:`~ckpt_engine.storage.Storage` given in code (tests and benchmarks wrap one; YAML cannot)."""
-    from .storage import Storage  # lazily: the schema itself does not need fsspec
-
-    return isinstance(x, Storage)
-
-
-def _check_storage_options(options: Mapping[str, Any], where: str) -> None:
-    """The storage options the library reads itself: ``max_concurrency`` (S3 parts in flight per file)."""
-    if "max_concurrency" in options:
-        value = options["max_concurrency"]
-        _check(type(value) is int and value > 0, f"{where}.max_concurrency", value,
-               "a positive integer (on S3: the parts of one file sent, or ranges read, at once)")
-
-
-def _positive(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
-
-
-def _check(ok: bool, key: str, value: object, expected: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}={value!r} is invalid: expected {expected}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from .comm import Comm
+from .errors import NoCheckpointError
 from .format.manifest import Manifest
 from .levels.destination import Destination
 from .load.agreed import Loaded, Restored
@@ -74,7 +75,7 @@ class CheckpointReading:
             self._loaded = self._dest.open_newest()
         return self._loaded.local(self.rank) if rank is None else self._loaded.writer_local(rank)
 
-    def restore(self, step: int | None = None, *, into: Any = None, fallback: bool = True) -> Restored:
+    def restore(self, step: int | None = None, *, into: Any = None, fallback: bool = True) -> Restored | None:
         """Every rank, together (a collective): the checkpoint to resume from, and this rank's parts.
 
         The newest checkpoint (or the newest attempt of ``step``) whose replicated state, this
@@ -82,18 +83,37 @@ class CheckpointReading:
         ``fallback=True`` (the default) one that fails on any rank is skipped by all ranks alike
         (recorded in ``load_failures``), so every rank resumes from the same step. Returns a
         :class:`Restored`: ``state``, ``local`` (``None`` when this rank had no writer), ``first``
-        (writer 0's), ``step``, ``manifest``; ``load_local()`` then returns the same values.
-        Raises :class:`NoCheckpointError` when there is nothing (the front ends start fresh).
+        (writer 0's), ``step``, ``level``, ``manifest``, ``where`` and ``sources`` (where each part
+        came from); ``load_local()`` then returns the same values. Returns ``None`` when nothing is
+        committed (start fresh); a ``step`` that is not committed raises :class:`NoCheckpointError`
+        naming the committed ones (an explicit choice that cannot be honoured is an error).
         ``into``: fill that state in place (see :meth:`load`); ``state`` is then ``into``.
         """
         self.load_failures = []
         self._exchange.figures = None
-        state, loaded = self._dest.restore(step, fallback, self.read_threads, self.load_failures, into,
-                                           self._exchange)
+        try:
+            state, loaded = self._dest.restore(step, fallback, self.read_threads, self.load_failures, into,
+                                               self._exchange)
+        except NoCheckpointError:
+            if step is not None:
+                raise
+            return None
         self._loaded = loaded
         m = loaded.manifest
+        where = loaded.storage.describe(loaded.opened.dirname)
         return Restored(m.step, loaded.opened.dirname, state, loaded.local(self.rank), loaded.local(0), m,
-                        loaded.level)
+                        loaded.level, where, self._sources(loaded, where))
+
+    def _sources(self, loaded: Loaded, where: str) -> dict[str, str]:
+        """Where each part of the last restore came from (:attr:`Restored.sources`)."""
+        at = f"level {loaded.level} ({where})"
+        figures = self._exchange.figures
+        state = f"read from {at}" if figures is None else \
+            f"{figures.route}: {figures.read_bytes} bytes read from {at}, {figures.received_bytes} received " \
+            "over the process group"
+        own = f"this node's copy on {at}" if loaded.node_local else f"read from {at}"
+        return {"state": state, "local": own if loaded.manifest.world_size > self.rank else "none: no writer of this rank",
+                "first": own}
 
     @property
     def restore_figures(self) -> RestoreFigures | None:

@@ -126,14 +126,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"{' (skipped)' if row['skipped'] else ''}", flush=True)
 
     ck = HorovodCheckpointer(args.ckpt_dir, model=model, optimizer=optimizer, sampler=sampler,  # ckpt
-                             scheduler=scheduler, config=args.ckpt_config, every_n_steps=args.every,
+                             scheduler=scheduler, config=args.ckpt_config, every_n_train_steps=args.every,
                              deterministic_reduction=args.deterministic_reduction, on_figures=figures)
-    start = ck.restore()  # ckpt
-    say(f"resumed from step {start}, epoch {ck.epoch}, {ck.samples_in_epoch} samples of it done" if start
-        else "fresh start", flush=True)
+    restored = ck.restore()  # ckpt: None on a fresh start
+    say(f"resumed from step {restored.step} ({restored.where}), epoch {ck.epoch}, {ck.samples_in_epoch} samples "
+        "of it done" if restored else "fresh start", flush=True)
     log = open(os.path.join(args.sample_log, f"rank-{hvd.rank()}.jsonl"), "a") if args.sample_log else None
 
-    step = start
+    step = ck.step  # the restored step (0 on a fresh start)
     for epoch in ck.epochs(args.first_epoch, args.first_epoch + args.epochs):  # ckpt: was range(...)
         model.train()
         sampler.set_epoch(epoch)  # ck.epochs() set it already: harmless, as in any existing script

@@ -250,9 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.record:
         os.makedirs(args.record, exist_ok=True)
     step, epoch, resumed_from, restore_s = 0, 0, None, None
-    if ck.latest_step() is not None:
-        t0 = time.perf_counter()
-        restored = ck.restore()  # every rank: the newest checkpoint every rank can read, verified
+    t0 = time.perf_counter()
+    restored = ck.restore()  # every rank: the newest checkpoint every rank can read, verified; None: none yet
+    if restored is not None:
         restore_s = time.perf_counter() - t0
         state = restored.state
         model.load_state_dict(state["model"])

@@ -37,43 +37,46 @@ import torch
 from horovod.torch.elastic import TorchState
 
 from ckpt_engine import Checkpointer
-from ckpt_engine.config import UNSET, resolve_config
-from ckpt_engine.errors import ConfigError, NoCheckpointError
+from ckpt_engine.config import RENAMED, UNSET, renamed, resolve_config
+from ckpt_engine.errors import ConfigError
 from ckpt_engine.training.parts import Parts, split_weights
 from ckpt_engine.training.session import TrainingSession
 
 from . import reduction
 from .comm import HorovodComm
 
-_TRIGGERS = ("every_n_steps", "every_seconds", "overhead_budget")
+_TRIGGERS = ("every_n_train_steps", "train_time_interval", "overhead_budget")
 
 
 class DurableTorchState(TorchState):
     """A ``TorchState`` whose ``commit()`` also takes a durable, rank-sliced checkpoint.
 
     Args:
-        path: checkpoint root (local path or fsspec URL).
+        dirpath: checkpoint root (local path or fsspec URL).
         model, optimizer, **kwargs: as for ``TorchState`` (plain attributes such as ``epoch`` and
             ``batch`` must be plain values: numbers, strings, lists, dicts).
-        config, every_n_steps, every_seconds, overhead_budget, max_interval, keep_last, levels, storage_options:
-            the core's flags; steps count commits (default: every commit). The config's
+        config, every_n_train_steps, train_time_interval, overhead_budget, max_interval, keep_last, levels, storage_options:
+            the configuration's flags (Lightning's names; ``path``, ``every_n_steps`` and
+            ``every_seconds`` still work, deprecated); steps count commits (default: every commit). The config's
             ``deterministic_reduction: true`` is checked against this worker's environment, whatever
             the number of workers (an elastic job may grow past 2): call ``horovod_ckpt.init(config)``
             before ``hvd.init()``; elastic resets read the same environment.
         commit_timeout: seconds rank 0 waits for every writer (short: workers come and go).
     """
 
-    def __init__(self, path: str | None = None, model: Any = None, optimizer: Any = None, *,
-                 config: Any = None, every_n_steps: int | None = None, every_seconds: float | None = None,
+    def __init__(self, dirpath: str | None = None, model: Any = None, optimizer: Any = None, *,
+                 config: Any = None, every_n_train_steps: int | None = None, train_time_interval: Any = None,
                  overhead_budget: float | None = None, max_interval: float | None = None,
                  keep_last: int | None = UNSET, levels: list[Any] | None = None,
                  storage_options: dict[str, Any] | None = None, commit_timeout: float = 120.0,
                  **kwargs: Any) -> None:
-        flags = {"path": path, "every_n_steps": every_n_steps, "every_seconds": every_seconds,
-                 "overhead_budget": overhead_budget, "max_interval": max_interval, "keep_last": keep_last,
-                 "levels": levels, "storage_options": storage_options}
+        old = {k: kwargs.pop(k) for k in RENAMED if k in kwargs and k != "final_checkpoint"}
+        flags = renamed({"dirpath": dirpath, "every_n_train_steps": every_n_train_steps,
+                         "train_time_interval": train_time_interval, "overhead_budget": overhead_budget,
+                         "max_interval": max_interval, "keep_last": keep_last, "levels": levels,
+                         "storage_options": storage_options, **old}, "DurableTorchState")
         if config is None and all(flags[k] is None for k in _TRIGGERS):
-            flags["every_n_steps"] = 1
+            flags["every_n_train_steps"] = 1
         self._durable_config = resolve_config(config, flags)
         self._durable_policy = self._durable_config.policy()
         refused = reduction.refusal(self._durable_config.deterministic_reduction,
@@ -143,9 +146,8 @@ class DurableTorchState(TorchState):
         # Every worker takes part (a collective: the newest checkpoint that verifies everywhere,
         # falling back past damaged ones; failures raised on every worker); the inherited sync()
         # that follows broadcasts rank 0's state anyway, as after any elastic reset.
-        try:
-            resumed = self._ensure_session().restore()
-        except NoCheckpointError:
+        resumed = self._ensure_session().restore()
+        if resumed is None:
             return
         for name, handler in self._handlers.items():
             saved = resumed.replicated["objects"][name]

@@ -4,8 +4,8 @@ Order of calls, on every rank, from the training thread::
 
     horovod_ckpt.init(config)     # hvd.init(), with tensor fusion off when the config asks for it
     ... model, optimizer = hvd.DistributedOptimizer(...), sampler, loader ...
-    ck = HorovodCheckpointer(path, model=model, optimizer=optimizer, sampler=sampler, every_n_steps=50)
-    start_step = ck.restore()     # 0 when nothing is committed; else every rank holds the state
+    ck = HorovodCheckpointer(dirpath, model=model, optimizer=optimizer, sampler=sampler, every_n_train_steps=50)
+    restored = ck.restore()       # None when nothing is committed; else every rank holds the state
     for epoch in ck.epochs(1, epochs + 1):   # the script's numbering; sets the sampler's epoch
         for batch in loader:
             ...; optimizer.step()
@@ -24,13 +24,14 @@ re-split across the ranks when their number changed.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
-from ckpt_engine import CheckpointError
+from ckpt_engine import CheckpointError, Restored
 from ckpt_engine.agree import on_every_rank
 from ckpt_engine.comm import Comm
-from ckpt_engine.config import UNSET, resolve_config
-from ckpt_engine.errors import ConfigError, NoCheckpointError
+from ckpt_engine.config import RENAMED, UNSET, renamed, resolve_config
+from ckpt_engine.errors import ConfigError
 from ckpt_engine.training.parts import Parts, Resumed
 from ckpt_engine.training.resumable import make_resumable, set_rng_state
 from ckpt_engine.training.session import TrainingSession
@@ -46,21 +47,30 @@ class HorovodCheckpointer:
     """Asynchronous, rank-sliced checkpoints of a Horovod job to any fsspec path, with exact resume.
 
     Args:
-        path: checkpoint root (local path or fsspec URL such as ``s3://bucket/run``).
-        model, optimizer, scheduler: what to checkpoint (``hvd.DistributedOptimizer`` included).
+        dirpath: checkpoint root (local path or fsspec URL such as ``s3://bucket/run``).
+        model, optimizer, scheduler: what to checkpoint (``hvd.DistributedOptimizer`` included);
+            :meth:`register` adds more objects with ``state_dict()``/``load_state_dict()`` (an AMP
+            scaler...), replicated or per rank.
         sampler: the train sampler (typically a ``DistributedSampler``); made resumable in place.
         batch_size: per-rank batch size; optional (learned from the DataLoader's pulls otherwise,
-            see :meth:`ckpt_engine.training.resumable.ResumableSampler.note_step`).
-        config: a YAML file (or mapping, or ``CheckpointConfig``) of the core's flags; keyword
-            flags given here win over it.
-        every_n_steps / every_seconds / overhead_budget / max_interval / keep_last / levels / storage_options:
-            the core's flags (``ckpt_engine.config``); ``None`` means "not given"
-            (the YAML's value, or the core's default). ``keep_last`` defaults to 3 (``None``: keep all).
-        extra: more objects with ``state_dict()``/``load_state_dict()``, replicated (e.g. an AMP
-            scaler); ``register()`` adds more, also per rank.
-        save_on_sigterm: on SIGTERM, a final checkpoint at the current step (every rank agrees
-            on the step), then the signal is raised again under the previous handler.
-        final_checkpoint: ``close()`` saves the last step when it is not saved yet.
+            see :meth:`ckpt_engine.ResumableSampler.note_step`).
+        config: the flags below as one options object (the one ``AsyncShardedCheckpoint`` and
+            ``Checkpointer.from_config`` take): a YAML file, a mapping or a ``CheckpointConfig``;
+            keyword flags given here win over it.
+        every_n_train_steps, train_time_interval, overhead_budget, max_interval, keep_last, levels, storage_options, save_on_train_end, save_on_sigterm, restore_route, deterministic_reduction:
+            the configuration's flags (``ckpt_engine.config``, Lightning's names); ``None`` means
+            "not given" (the config's value, or the default). ``keep_last`` defaults to 3 (``None``:
+            keep all). ``save_on_train_end``: ``close()`` saves the last step when it is not saved
+            yet. ``save_on_sigterm``: on SIGTERM, a final checkpoint at the current step (every rank
+            agrees on the step), then the signal is raised again under the previous handler.
+            ``restore_route``: how a restore on several ranks gets the replicated state (``"auto"``,
+            ``"read"``, ``"exchange"``): see ``ckpt_engine.load.exchange``.
+            ``deterministic_reduction``: the gradients must be summed in the same order in every
+            run, so that a resume on more than 2 ranks is bit-identical: Horovod's tensor fusion off,
+            which :func:`horovod_ckpt.init` applies at ``hvd.init()`` (the hook comes too late to).
+            Asked for and not in effect on more than 2 ranks: a ``ConfigError`` on every rank. Not
+            asked for and not in effect: :meth:`restore` warns on rank 0 when it resumes more than
+            2 ranks. See :mod:`horovod_ckpt.reduction`.
         on_figures: called on rank 0 with each checkpoint's figures (also in ``figures.jsonl``).
         optimizer_hparams: after a restore, the optimizer's hyper-parameters (``lr``, momentum,
             weight decay... every param group key but ``params``) and the scheduler's ``base_lrs``
@@ -69,39 +79,38 @@ class HorovodCheckpointer:
             or the script's (``"script"``: the optimizer state such as momentum and ``exp_avg`` and
             the scheduler's position stay restored; a scheduled ``lr`` continues the restored
             schedule on the script's base). See :mod:`horovod_ckpt._hparams`.
-        restore_route: how a restore on several ranks gets the replicated state (``"auto"``,
-            ``"read"``, ``"exchange"``; also a YAML key): see ``ckpt_engine.load.exchange``.
-        deterministic_reduction: the gradients must be summed in the same order in every run, so
-            that a resume on more than 2 ranks is bit-identical (also a YAML key): Horovod's tensor
-            fusion off, which :func:`horovod_ckpt.init` applies at ``hvd.init()`` (the hook comes
-            too late to). Asked for and not in effect on more than 2 ranks: a ``ConfigError`` on
-            every rank. Not asked for and not in effect: :meth:`restore` warns on rank 0 when it
-            resumes more than 2 ranks. See :mod:`horovod_ckpt.reduction`.
         max_inflight, commit_timeout: passed to :class:`~ckpt_engine.Checkpointer`.
-        comm: the communicator (default :class:`~horovod_ckpt.comm.HorovodComm`; tests inject one).
+        deprecated: the first release's names, for one release with a ``DeprecationWarning``:
+            ``path``, ``every_n_steps``, ``every_seconds``, ``final_checkpoint`` (the names above),
+            ``extra`` (a mapping of objects: :meth:`register` each), ``comm`` (a communicator for
+            tests: ``_comm``).
     """
 
-    def __init__(self, path: str | None = None, *, model: Any, optimizer: Any = None, sampler: Any = None,
+    def __init__(self, dirpath: Any = None, *, model: Any, optimizer: Any = None, sampler: Any = None,
                  scheduler: Any = None, batch_size: int | None = None, config: Any = None,
-                 every_n_steps: int | None = None, every_seconds: float | None = None,
+                 every_n_train_steps: int | None = None, train_time_interval: Any = None,
                  overhead_budget: float | None = None, max_interval: float | None = None,
                  keep_last: int | None = UNSET, levels: list[Any] | None = None,
-                 storage_options: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None,
-                 save_on_sigterm: bool = True, final_checkpoint: bool = True,
-                 on_figures: Callable[[dict[str, Any]], None] | None = None, max_inflight: int = 1,
-                 commit_timeout: float = 600.0, comm: Comm | None = None,
-                 optimizer_hparams: OptimizerHparams = "checkpoint", restore_route: str | None = None,
-                 deterministic_reduction: bool | None = None) -> None:
+                 storage_options: Mapping[str, Any] | None = None, save_on_train_end: bool | None = None,
+                 save_on_sigterm: bool | None = None, restore_route: str | None = None,
+                 deterministic_reduction: bool | None = None,
+                 on_figures: Callable[[dict[str, Any]], None] | None = None,
+                 optimizer_hparams: OptimizerHparams = "checkpoint", max_inflight: int = 1,
+                 commit_timeout: float = 600.0, _comm: Comm | None = None, **deprecated: Any) -> None:
         self.optimizer_hparams = _hparams.check_choice(optimizer_hparams)
-        flags = {"path": path, "every_n_steps": every_n_steps, "every_seconds": every_seconds,
-                 "overhead_budget": overhead_budget, "max_interval": max_interval, "keep_last": keep_last,
-                 "levels": levels, "storage_options": storage_options, "restore_route": restore_route,
-                 "deterministic_reduction": deterministic_reduction}
+        old = _old_arguments(deprecated)
+        flags = renamed({"dirpath": dirpath, "every_n_train_steps": every_n_train_steps,
+                 "train_time_interval": train_time_interval, "overhead_budget": overhead_budget,
+                 "max_interval": max_interval, "keep_last": keep_last, "levels": levels,
+                 "storage_options": storage_options, "restore_route": restore_route,
+                 "deterministic_reduction": deterministic_reduction, "save_on_train_end": save_on_train_end,
+                 "save_on_sigterm": save_on_sigterm, **old.flags}, "HorovodCheckpointer")
         self.config = resolve_config(config, flags)
         self.policy = self.config.policy()
-        self.tracked = Tracked(model, optimizer, scheduler, dict(extra or {}))
+        self.tracked = Tracked(model, optimizer, scheduler, old.extra)
         self.sampler = make_resumable(sampler, batch_size) if sampler is not None else None
-        self.final_checkpoint, self.on_figures = final_checkpoint, on_figures
+        self.on_figures = on_figures
+        comm = _comm if _comm is not None else old.comm
         self.comm: Comm = comm if comm is not None else HorovodComm()
         self._fusion = reduction.settings(self.comm)  # every rank's, so that every rank decides alike
         refused = reduction.refusal(self.config.deterministic_reduction, self._fusion)
@@ -110,10 +119,12 @@ class HorovodCheckpointer:
         self.session = TrainingSession(self.config, self._capture, name="HorovodCheckpointer", policy=self.policy,
                                        max_inflight=max_inflight, commit_timeout=commit_timeout,
                                        on_figures=lambda row: self.on_figures(row) if self.on_figures else None)
-        stop = _preempt.agreement(self.comm.world_size) if save_on_sigterm else None
+        stop = _preempt.agreement(self.comm.world_size) if self.config.save_on_sigterm else None
         self.ck = self.session.start(self.comm, stop=stop)
         self.step = 0
         self.resumed_from: int | None = None
+        self.restored: Restored | None = None
+        """What the last :meth:`restore` restored (``None``: nothing)."""
         self._epochs = EpochLoop(self.sampler, self.comm.world_size)
         self._closed = False
         self.session.begin()  # SIGTERM handler (main thread)
@@ -149,29 +160,31 @@ class HorovodCheckpointer:
         self.tracked.register(name, obj, per_rank)
 
     # ---- restore ------------------------------------------------------------------------------
-    def restore(self, step: int | None = None) -> int:
+    def restore(self, step: int | None = None) -> Restored | None:
         """Load the newest committed checkpoint (or ``step``) into the tracked objects, on every rank.
 
-        Returns the restored step, or 0 (and changes nothing) when nothing is committed. Also puts
-        back this rank's RNG states and the sampler's position; the optimizer's hyper-parameters
-        follow ``optimizer_hparams``. Call it after the initial ``hvd.broadcast_parameters`` /
-        ``broadcast_optimizer_state`` and before the loop. A failure on any rank (rank 0 listing
-        the checkpoints, any rank reading or loading them) is raised on every rank. Resuming more
-        than 2 ranks with Horovod's tensor fusion on, rank 0 warns that the run will not end
-        bit-identical, naming ``deterministic_reduction``.
+        Returns what was restored (:class:`ckpt_engine.Restored`: ``step``, ``level``, ``where``,
+        ``sources``; also in :attr:`restored`, and the step in :attr:`step`), or ``None`` (changing
+        nothing) when nothing is committed; a ``step`` that is not committed raises
+        :class:`~ckpt_engine.NoCheckpointError`. Also puts back this rank's RNG states and the
+        sampler's position; the optimizer's hyper-parameters follow ``optimizer_hparams``. Call it
+        after the initial ``hvd.broadcast_parameters`` / ``broadcast_optimizer_state`` and before the
+        loop. A failure on any rank (rank 0 listing the checkpoints, any rank reading or loading them)
+        is raised on every rank. Resuming more than 2 ranks with Horovod's tensor fusion on, rank 0
+        warns that the run will not end bit-identical, naming ``deterministic_reduction``.
         """
         self._check_open()
-        try:  # the newest checkpoint (or step's) that verifies on every rank, all parts this rank reads
-            resumed = self.session.restore(step)
-        except NoCheckpointError:
-            return 0
+        resumed = self.session.restore(step)  # the newest that verifies on every rank, all parts this rank reads
+        if resumed is None:
+            return None
         warning = on_every_rank(self.comm, lambda: self._apply_restored(resumed))
         if warning:
             warnings.warn(warning, stacklevel=2)
         inexact = reduction.resume_warning(self._fusion) if self.rank == 0 else None
         if inexact:
             warnings.warn(inexact, stacklevel=2)
-        return self.step
+        self.restored = resumed.restored
+        return self.restored
 
     def restore_dcp(self, src: str, *, trust: bool = False, storage_options: Mapping[str, Any] | None = None) -> int:
         """Start from the DCP checkpoint in directory ``src`` (``dcp.save``, torchtitan, Lightning's sharded
@@ -270,12 +283,12 @@ class HorovodCheckpointer:
 
     # ---- shutdown -----------------------------------------------------------------------------
     def close(self, final: bool | None = None) -> None:
-        """Take the final checkpoint (``final``, default ``final_checkpoint``) when the last step
+        """Take the final checkpoint (``final``, default ``save_on_train_end``) when the last step
         is not saved yet, wait for every pending persist, and stop. Every rank; idempotent."""
         if self._closed:
             return
         try:
-            self.session.finish(self.step, final=self.final_checkpoint if final is None else final)
+            self.session.finish(self.step, final=self.config.save_on_train_end if final is None else final)
         finally:
             self._closed = True
             self.session.close()
@@ -293,3 +306,27 @@ class HorovodCheckpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this HorovodCheckpointer is closed")
+
+
+@dataclass(frozen=True)
+class _Old:
+    """The first release's arguments a caller still gave (:func:`_old_arguments`)."""
+
+    flags: dict[str, Any]
+    extra: dict[str, Any]
+    comm: Comm | None
+
+
+def _old_arguments(given: Mapping[str, Any]) -> _Old:
+    """The deprecated keyword arguments of ``HorovodCheckpointer``: the old flag names
+    (:data:`~ckpt_engine.config.RENAMED`, for :func:`~ckpt_engine.config.renamed`), ``extra`` and
+    ``comm`` (each warning); any other name is a ``TypeError``, as Python's own would be."""
+    unknown = sorted(set(given) - set(RENAMED) - {"extra", "comm"})
+    if unknown:
+        raise TypeError(f"HorovodCheckpointer() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
+    flags = {k: v for k, v in given.items() if k in RENAMED}
+    for name, instead in (("extra", "register(name, obj) for each object"), ("comm", "_comm (tests only)")):
+        if name in given:
+            warnings.warn(f"HorovodCheckpointer: {name!r} is deprecated and will be removed in the next release; "
+                          f"use {instead}", DeprecationWarning, stacklevel=3)
+    return _Old(flags, dict(given.get("extra") or {}), given.get("comm"))

@@ -1,48 +1,39 @@
-"""The callback's flags: Lightning's names beside the core's, and errors in the words the user wrote."""
+"""The callback's flags: Lightning's names (the core's too), the first release's names behind a
+``DeprecationWarning``, and errors in the words the user wrote."""
 
 from __future__ import annotations
 
 import re
-from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Mapping
 
-from ckpt_engine.config import CheckpointConfig, ConfigError, resolve_config
-
-ALIASES = (("path", "dirpath"), ("every_n_steps", "every_n_train_steps"), ("every_seconds", "train_time_interval"))
-"""The core's flag names and the Lightning ones the callback accepts for them (``ModelCheckpoint``'s)."""
+from ckpt_engine.config import DEFAULT_KEEP_LAST, RENAMED, CheckpointConfig, ConfigError, resolve_config
 
 
-def build_config(*, path: Optional[str], dirpath: Optional[str], every_n_steps: Optional[int],
-                 every_n_train_steps: Optional[int], every_seconds: Optional[float],
-                 train_time_interval: Optional[timedelta | float], overhead_budget: Optional[float],
-                 max_interval: Optional[float], keep_last: Optional[int], levels: Optional[list[str]],
-                 storage_options: Optional[dict[str, Any]], restore_route: Optional[str] = None) -> CheckpointConfig:
+def build_config(flags: Mapping[str, Any], old: Mapping[str, Any], config: Any = None) -> CheckpointConfig:
     """The core's configuration from the callback's arguments, validated now (before the trainer
-    starts); a :class:`ConfigError` names each flag as the user wrote it (``every_n_train_steps``,
-    not the core's ``every_n_steps``)."""
-    interval = train_time_interval.total_seconds() if isinstance(train_time_interval, timedelta) \
-        else train_time_interval
-    given = {"path": dirpath, "every_n_steps": every_n_train_steps, "every_seconds": interval}
-    aliases = {core: alias for core, alias in ALIASES if given[core] is not None}
-    flags = {"path": _one_of("path", path, "dirpath", dirpath),
-             "every_n_steps": _one_of("every_n_steps", every_n_steps, "every_n_train_steps", every_n_train_steps),
-             "every_seconds": _one_of("every_seconds", every_seconds, "train_time_interval", interval),
-             "overhead_budget": overhead_budget, "max_interval": max_interval, "keep_last": keep_last,
-             "levels": levels, "storage_options": storage_options, "restore_route": restore_route}
+    starts): ``flags`` under their names now, ``old`` the first release's names (:data:`RENAMED`:
+    each one given warns once and counts as its new name), over ``config`` (a YAML file, a mapping
+    or a ``CheckpointConfig``; the flags given win). With ``config``, ``keep_last`` left at its
+    default (:data:`DEFAULT_KEEP_LAST`) yields to the config's. A :class:`ConfigError` names each flag
+    as the user wrote it (``every_n_steps`` for a user who wrote the old name)."""
+    given_old = {k: v for k, v in old.items() if v is not None}
+    values = dict(flags)
+    if config is not None and values.get("keep_last") == DEFAULT_KEEP_LAST:
+        values.pop("keep_last")
+    for name, value in given_old.items():
+        if values.get(RENAMED[name]) is not None:
+            raise ValueError(f"give {RENAMED[name]!r} or its old name {name!r}, not both "
+                             f"({values[RENAMED[name]]!r} and {value!r})")
+        values[name] = value
+        values.pop(RENAMED[name], None)
     try:
-        return resolve_config(None, flags)
+        return resolve_config(config, values)
     except ConfigError as error:
-        raise ConfigError(_in_user_words(str(error), aliases)) from None
+        raise ConfigError(_in_user_words(str(error), {RENAMED[k]: k for k in given_old})) from None
 
 
-def _in_user_words(message: str, aliases: dict[str, str]) -> str:
-    """``message`` with the core's flag names replaced by the Lightning names the user gave."""
-    for core, alias in aliases.items():
-        message = re.sub(rf"\b{core}\b", alias, message)
+def _in_user_words(message: str, names: dict[str, str]) -> str:
+    """``message`` with the flag names now replaced by the old names the user gave."""
+    for new, old in names.items():
+        message = re.sub(rf"\b{new}\b", old, message)
     return message
-
-
-def _one_of(name: str, value: Any, alias: str, alias_value: Any) -> Any:
-    if value is not None and alias_value is not None:
-        raise ValueError(f"give {name!r} or Lightning's {alias!r}, not both ({value!r} and {alias_value!r})")
-    return value if value is not None else alias_value

@@ -26,8 +26,9 @@ class Resuming(Protocol):
     resume: str
     _sharded: bool
 
-    def restore(self, step: int | None) -> dict[str, Any]:
-        """Lightning's checkpoint dictionary of our newest checkpoint (or ``step``), restored on every rank."""
+    def lightning_checkpoint(self, step: int | None) -> dict[str, Any] | None:
+        """Lightning's checkpoint dictionary of our newest checkpoint (or ``step``), restored on every
+        rank; ``None`` when nothing is committed."""
 
 
 def split(checkpoint: dict[str, Any], buffer_names: Any) -> Parts:
@@ -60,8 +61,7 @@ def resume_start(callback: Resuming, trainer: Any, path: Any, lightning: Callabl
     root = callback.config.location
     which = is_our_checkpoint(path, root) if path is not None else None
     if which is not None and callback._sharded:  # a sharded strategy loads its own files, not through CheckpointIO
-        checkpoint = callback.restore(None if which == "newest" else int(which))
-        _trainer_api.inject_loaded_checkpoint(trainer, checkpoint, path)
+        _trainer_api.inject_loaded_checkpoint(trainer, chosen(callback, which), path)
         return
     if which is not None:
         lightning(path)
@@ -75,11 +75,19 @@ def resume_start(callback: Resuming, trainer: Any, path: Any, lightning: Callabl
     if (path is None and callback.resume != "auto") or \
             (path is not None and not _ours_instead(trainer, path, steps, callback)):
         return
-    try:
-        checkpoint = callback.restore(None)  # the newest that verifies everywhere (a damaged one is skipped)
-    except NoCheckpointError:
-        return
-    _trainer_api.inject_loaded_checkpoint(trainer, checkpoint, root)
+    checkpoint = callback.lightning_checkpoint(None)  # the newest that verifies everywhere (a damaged one is skipped)
+    if checkpoint is not None:
+        _trainer_api.inject_loaded_checkpoint(trainer, checkpoint, root)
+
+
+def chosen(callback: Resuming, which: str) -> dict[str, Any]:
+    """The checkpoint of ours that ``fit(ckpt_path=...)`` names (``which``: ``"newest"`` for the root,
+    else a step), restored on every rank; :class:`NoCheckpointError` when it names nothing committed."""
+    checkpoint = callback.lightning_checkpoint(None if which == "newest" else int(which))
+    if checkpoint is None:
+        raise NoCheckpointError(f"AsyncShardedCheckpoint: fit(ckpt_path=...) names {callback.config.location}, "
+                                "which holds no committed checkpoint; remove ckpt_path to start fresh")
+    return checkpoint
 
 
 def _ours_instead(trainer: Any, path: Any, steps: list[int], callback: Resuming) -> bool:
@@ -100,7 +108,7 @@ def _ours_instead(trainer: Any, path: Any, steps: list[int], callback: Resuming)
                           f"(step {theirs}); this callback's checkpoint at step {ours} is as new or newer and "
                           f"is restored instead (it also restores the data position and RNG); {path} is not used.")
         return True
-    why, every = inexact(loaded) if last else None, interval(callback.config.every_n_steps, steps)
+    why, every = inexact(loaded) if last else None, interval(callback.config.every_n_train_steps, steps)
     if why is not None and theirs - ours <= every:
         _lightning.notice(trainer, f"AsyncShardedCheckpoint: ckpt_path={str(path)!r} is Lightning's last checkpoint "
                           f"(step {theirs}), taken {why}: restored, the batches of that epoch before it would be "
@@ -131,11 +139,11 @@ def inexact(checkpoint: dict[str, Any]) -> Optional[str]:
             "saves no position")
 
 
-def interval(every_n_steps: Optional[int], steps: list[int]) -> int:
-    """One of our intervals, in steps: ``every_n_steps`` when configured, else (a time or overhead
-    policy) the gap between our two newest checkpoints ``steps`` (the first one's step alone)."""
-    if every_n_steps:
-        return every_n_steps
+def interval(every_n_train_steps: Optional[int], steps: list[int]) -> int:
+    """One of our intervals, in steps: ``every_n_train_steps`` when configured, else (a time or
+    overhead policy) the gap between our two newest checkpoints ``steps`` (the first one's step alone)."""
+    if every_n_train_steps:
+        return every_n_train_steps
     return steps[-1] - steps[-2] if len(steps) > 1 else steps[-1]
 
 
@@ -194,7 +202,7 @@ class CheckpointIOWrapper(*_lightning.bases("plugins.io.CheckpointIO")):  # type
         which = is_our_checkpoint(path, self.callback.config.location)
         if which is None:
             return self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-        return self.callback.restore(None if which == "newest" else int(which))
+        return chosen(self.callback, which)
 
     def remove_checkpoint(self, path: Any) -> None:
         self.inner.remove_checkpoint(path)

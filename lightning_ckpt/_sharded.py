@@ -89,10 +89,11 @@ def _fqn(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in WRAPPERS)
 
 
-def restore(session: "TrainingSession", trainer: "Trainer", step: int | None) -> Resumed:
+def restore(session: "TrainingSession", trainer: "Trainer", step: int | None) -> Resumed | None:
     """``session.restore(step)`` for a sharded strategy (every rank, a collective): fill the model's and
     optimizers' sharded state from the checkpoint, each rank reading its chunks, and load it with
-    ``set_state_dict`` (this rank's buffers from its per-rank part). Returns the :class:`Resumed`."""
+    ``set_state_dict`` (this rank's buffers from its per-rank part). Returns the :class:`Resumed`
+    (``None``: nothing committed, nothing changed)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     target, _ = state(trainer)  # creates the optimizers' state (a zero step) so that there is one to fill
@@ -103,6 +104,8 @@ def restore(session: "TrainingSession", trainer: "Trainer", step: int | None) ->
                               f"restored into this sharded model: {e}. One written under DDP or a single device "
                               "holds Lightning's state dict, not get_state_dict()'s: resume it with such a "
                               "strategy") from e
+    if resumed is None:
+        return None
     set_state_dict(trainer.strategy.model, list(trainer.optimizers),
                    model_state_dict={**target["model"], **resumed.per_rank["buffers"]},
                    optim_state_dict=target["optim"], options=StateDictOptions(full_state_dict=False, cpu_offload=False))

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
 
-from ckpt_engine import CheckpointError, LocalComm, TorchDistComm
+from ckpt_engine import CheckpointConfig, CheckpointError, LocalComm, Restored, TorchDistComm
 from ckpt_engine.config import DEFAULT_KEEP_LAST
 from ckpt_engine.host.collector import pause_collector, resume_collector
 from ckpt_engine.interop.lightning import assemble
@@ -55,22 +55,23 @@ class AsyncShardedCheckpoint(*_lightning.bases("callbacks.Callback")):  # type: 
     """Asynchronous, rank-sliced checkpoints to any fsspec path, with exact resume.
 
     Args:
-        path / dirpath: checkpoint root (local path or fsspec URL; in code also a ``ckpt_engine.storage.Storage``,
-            e.g. a ``ckpt_engine.testing`` double); ``dirpath`` is Lightning's name.
-        every_n_steps / every_n_train_steps: checkpoint every N optimizer steps.
-        every_seconds / train_time_interval: about every T seconds (a number or a ``timedelta``).
+        dirpath: checkpoint root (local path or fsspec URL; in code also a ``ckpt_engine.storage.Storage``,
+            e.g. a ``ckpt_engine.testing`` double).
+        every_n_train_steps: checkpoint every N optimizer steps.
+        train_time_interval: about every T seconds (a number or a ``timedelta``).
         overhead_budget: adaptive frequency under this fraction of training time (e.g. ``0.035``).
         max_interval: at least every this many seconds, composed with any trigger.
         keep_last: committed checkpoints to keep.
-        levels: instead of ``path``, the levels fastest first,
+        levels: instead of ``dirpath``, the levels fastest first,
             each a path or a mapping (``{path, storage_options, keep_last}``; the first may be node
             memory, ``{kind: memory, ...}``: ``ckpt_engine.levels.memory``).
         storage_options: fsspec options (leave credentials to fsspec's own configuration).
-        resume: ``"auto"`` continues from the newest committed checkpoint under ``path``;
+        resume: ``"auto"`` continues from the newest committed checkpoint under ``dirpath``;
             ``"never"`` starts fresh (``trainer.fit(ckpt_path=...)`` still works).
-        save_on_train_end / save_on_exception / save_on_sigterm: final checkpoints. On SIGTERM
-            under several ranks all ranks agree on the step within two steps of the signal, commit
-            there and end with Lightning's ``SIGTERMException`` (see ``lightning_ckpt._preempt``).
+        save_on_train_end / save_on_exception / save_on_sigterm: final checkpoints (``None``: the
+            config's, else on). On SIGTERM under several ranks all ranks agree on the step within two
+            steps of the signal, commit there and end with Lightning's ``SIGTERMException`` (see
+            ``lightning_ckpt._preempt``).
         pipeline: deferred snapshot (copy during the next forward/backward, waited for just before
             the next optimizer step). Off by default: on CPU the copy competes with training for the
             cores (``benchmarks/bench_lightning.py``). On a GPU turn it on: the device-to-host copy
@@ -79,34 +80,46 @@ class AsyncShardedCheckpoint(*_lightning.bases("callbacks.Callback")):  # type: 
             at the resume), ``"read"`` (every rank reads all of it), ``"exchange"`` (each rank
             reads 1/N, the rest comes over the process group); see ``ckpt_engine.load.exchange``.
         max_inflight, commit_timeout: passed to :class:`~ckpt_engine.Checkpointer`.
+        config: the same flags as one options object, the one the Horovod hook and
+            ``Checkpointer.from_config`` take: a ``ckpt_engine.CheckpointConfig``, a mapping or a YAML
+            file; the arguments given here win over it.
+        path, every_n_steps, every_seconds: the first release's names of ``dirpath``,
+            ``every_n_train_steps`` and ``train_time_interval``; deprecated (a ``DeprecationWarning``).
     """
 
-    def __init__(self, path: Optional[str] = None, *, dirpath: Optional[str] = None,
-                 every_n_steps: Optional[int] = None, every_n_train_steps: Optional[int] = None,
-                 every_seconds: Optional[float] = None, train_time_interval: Optional[timedelta] = None,
+    def __init__(self, dirpath: Optional[str] = None, *, every_n_train_steps: Optional[int] = None,
+                 train_time_interval: Optional[Union[timedelta, float]] = None,
                  overhead_budget: Optional[float] = None, max_interval: Optional[float] = None,
                  keep_last: Optional[int] = DEFAULT_KEEP_LAST,
                  levels: Optional[list[Union[str, dict[str, Any]]]] = None,
                  storage_options: Optional[dict[str, Any]] = None, resume: Literal["auto", "never"] = "auto",
-                 save_on_train_end: bool = True, save_on_exception: bool = True, save_on_sigterm: bool = True,
-                 pipeline: bool = False, max_inflight: int = 1, commit_timeout: float = 600.0,
-                 restore_route: Optional[Literal["auto", "read", "exchange"]] = None) -> None:
+                 save_on_train_end: Optional[bool] = None, save_on_exception: bool = True,
+                 save_on_sigterm: Optional[bool] = None, pipeline: bool = False, max_inflight: int = 1,
+                 commit_timeout: float = 600.0, restore_route: Optional[Literal["auto", "read", "exchange"]] = None,
+                 config: Optional[Union[str, dict[str, Any], CheckpointConfig]] = None,
+                 path: Optional[str] = None, every_n_steps: Optional[int] = None,
+                 every_seconds: Optional[float] = None) -> None:
         super().__init__()
-        self.config = _flags.build_config(path=path, dirpath=dirpath, every_n_steps=every_n_steps,
-                                          every_n_train_steps=every_n_train_steps, every_seconds=every_seconds,
-                                          train_time_interval=train_time_interval, overhead_budget=overhead_budget,
-                                          max_interval=max_interval, keep_last=keep_last, levels=levels,
-                                          storage_options=storage_options, restore_route=restore_route)
+        self.config = _flags.build_config(
+            {"dirpath": dirpath, "every_n_train_steps": every_n_train_steps,
+             "train_time_interval": train_time_interval, "overhead_budget": overhead_budget,
+             "max_interval": max_interval, "keep_last": keep_last, "levels": levels,
+             "storage_options": storage_options, "restore_route": restore_route,
+             "save_on_train_end": save_on_train_end, "save_on_sigterm": save_on_sigterm},
+            {"path": path, "every_n_steps": every_n_steps, "every_seconds": every_seconds}, config)
         if resume not in ("auto", "never"):
             raise ValueError(f"resume must be 'auto' or 'never', got {resume!r}")
         self.resume, self.pipeline = resume, pipeline
-        self.save_on_train_end, self.save_on_exception = save_on_train_end, save_on_exception
-        self.save_on_sigterm = save_on_sigterm
+        self.save_on_train_end, self.save_on_exception = self.config.save_on_train_end, save_on_exception
+        self.save_on_sigterm = self.config.save_on_sigterm
         self.policy = self.config.policy()  # also rides in Lightning's own checkpoints (state_dict)
         self.session = TrainingSession(self.config, name="AsyncShardedCheckpoint", policy=self.policy,
                                        pipeline=pipeline, max_inflight=max_inflight, commit_timeout=commit_timeout,
                                        on_figures=self._log_figures)
         self.resumed_from: int | None = None
+        self.restored: Restored | None = None
+        """What the last resume from one of our checkpoints restored (step, level, where each part
+        came from: :class:`ckpt_engine.Restored`), on every rank; ``None`` when it restored nothing."""
         self._pending_rng: dict[str, Any] | None = None
         self._pending_data: dict[str, Any] | None = None
         self._samplers: list[ResumableSampler] = []
@@ -147,18 +160,20 @@ class AsyncShardedCheckpoint(*_lightning.bases("callbacks.Callback")):  # type: 
         _trainer_api.guard_fit_loop(trainer, lambda exception: self._after_failure(trainer, exception))
         self._trainer, self._comm = trainer, comm
 
-    def restore(self, step: int | None) -> dict[str, Any]:
+    def lightning_checkpoint(self, step: int | None) -> dict[str, Any] | None:
         """Load checkpoint ``step`` (the newest that verifies on every rank if ``None``) as the
         dictionary Lightning restores from; remember this rank's data position and RNG for the
-        moments they must be applied. Every rank calls it (a collective); raises
-        :class:`~ckpt_engine.NoCheckpointError` when nothing is committed."""
+        moments they must be applied, and the result in :attr:`restored`. Every rank calls it (a
+        collective); ``None`` when nothing is committed. Called by the resume (``_resume.py``)."""
         # per-rank parts: writer 0's for a rank that had no writer; a sharded strategy's weights are loaded here
         resumed = _sharded.restore(self.session, self._trainer, step) if self._sharded else self.session.restore(step)
+        if resumed is None:
+            return None
         mine = resumed.per_rank
         checkpoint = assemble(resumed.replicated, resumed.first["misc"], None if self._sharded else mine["buffers"])
         self._pending_data = mine["data"]
         self._pending_rng = resumed.rng
-        self.resumed_from = resumed.step
+        self.resumed_from, self.restored = resumed.step, resumed.restored
         self._restarted_epoch = True
         for sampler in self._samplers:
             self._apply_data_position(sampler)

@@ -44,7 +44,7 @@ def restore(root: str, dcp_dir: str, wide: bool, out: str | None) -> None:
     """One case: restore the DCP checkpoint, train two steps, dump or print what came of it."""
     model, base = make(seed=100 + hvd.rank(), wide=wide)
     optimizer = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
-    ck = HorovodCheckpointer(root, model=model, optimizer=optimizer, final_checkpoint=False)
+    ck = HorovodCheckpointer(root, model=model, optimizer=optimizer, save_on_train_end=False)
     try:
         step = ck.restore_dcp(dcp_dir)
     except Exception as e:  # every rank raises the same error

@@ -52,9 +52,9 @@ def restore(args: argparse.Namespace) -> None:
         # the example's tensors are small: with the exchange route, exchange all but the tiniest
         exchange.MIN_PIECE = 4096 if route == "exchange" else default_piece
         ck = HorovodCheckpointer(ckpt_dir, model=model, optimizer=optimizer, sampler=sampler,
-                                 scheduler=scheduler, final_checkpoint=False, restore_route=route)
+                                 scheduler=scheduler, save_on_train_end=False, restore_route=route)
         try:
-            step = ck.restore()
+            step = ck.restore().step
         except Exception as e:  # every rank raises the same error: the next case starts together
             result = {"error": f"{type(e).__name__}: {e}"}
         else:
@@ -131,7 +131,7 @@ def hparams(args: argparse.Namespace) -> None:
     for mode in args.modes.split(","):
         model, optimizer = _adam_job()
         chosen = {} if mode == "checkpoint" else {"optimizer_hparams": mode}
-        ck = HorovodCheckpointer(args.ckpt_dir, model=model, optimizer=optimizer, final_checkpoint=False, **chosen)
+        ck = HorovodCheckpointer(args.ckpt_dir, model=model, optimizer=optimizer, save_on_train_end=False, **chosen)
         ck.restore()
         ck.close()
         torch.save({"lr": [g["lr"] for g in optimizer.param_groups], "state": optimizer.state_dict()["state"]},
@@ -144,7 +144,7 @@ def fault(args: argparse.Namespace) -> None:
     ex = horovod_train.parse_args(["--ckpt-dir", args.ckpt_dir])
     sampler, _, model, optimizer, scheduler = horovod_train.build(ex)
     ck = HorovodCheckpointer(args.ckpt_dir, model=model, optimizer=optimizer, sampler=sampler,
-                             scheduler=scheduler, final_checkpoint=False)
+                             scheduler=scheduler, save_on_train_end=False)
     from ckpt_engine.load import agreed as restore_agreed
 
     rank, function, what = {"latest": (0, "manifest_dirs", "the listing"),

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from worker_exit import leave  # noqa: E402
-from ckpt_engine import Checkpointer, CheckpointWarning, NoCheckpointError, TorchDistComm  # noqa: E402
+from ckpt_engine import Checkpointer, CheckpointWarning, TorchDistComm  # noqa: E402
 from ckpt_engine.testing import GatedStorage  # noqa: E402
 from dist_worker import digest, make_local, make_state, write_result  # noqa: E402
 
@@ -129,12 +129,9 @@ def train(mem: str, disk: str, out: str, rank: int, world: int) -> None:
     step = 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        try:
-            started = time.perf_counter()
-            r = ck.restore()
-            seconds = time.perf_counter() - started
-        except NoCheckpointError:
-            r = None
+        started = time.perf_counter()
+        r = ck.restore()  # None: nothing committed
+        seconds = time.perf_counter() - started
     said = [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
     if r is not None:
         restored = {"state": r.state, "local": r.local, "first": r.first}
@@ -178,12 +175,12 @@ def train(mem: str, disk: str, out: str, rank: int, world: int) -> None:
 
 
 def loop(ck: Checkpointer, rank: int) -> None:
-    try:
-        r = ck.restore()
+    r = ck.restore()
+    if r is not None:
         ok = digest(r.state) == digest(make_state(r.step)) and digest(r.local) == digest(make_local(r.step, rank))
         print(f"restored {r.step} {r.level} {ok}", flush=True)
         step = r.step
-    except NoCheckpointError:
+    else:
         print("restored none", flush=True)
         step = 0
     failed = 0
@@ -226,11 +223,11 @@ def main() -> None:
         latest = ck.latest_step()  # what a script asks first (examples/plain_train.py)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            try:
-                r = ck.restore()
+            r = ck.restore()
+            if r is not None:
                 result.update(step=r.step, level=r.level, state=digest(r.state), local=digest(r.local))
-            except NoCheckpointError as e:  # a script starts afresh
-                result.update(step=None, error=str(e))
+            else:  # a script starts afresh: restore() said why in a warning
+                result.update(step=None)
         result.update(latest=latest, failures=ck.load_failures,
                       warnings=[str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)])
         ck.close()

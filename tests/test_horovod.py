@@ -298,7 +298,7 @@ def two_rank_checkpoint(tmp_path_factory):
     d = tmp_path_factory.mktemp("hvd-10")
     (d / "log").mkdir()
     config = d / "ckpt.yaml"
-    config.write_text(f"path: {d / 'ck'}\nevery_n_steps: 5\nkeep_last: 2\n")
+    config.write_text(f"dirpath: {d / 'ck'}\nevery_n_train_steps: 5\nkeep_last: 2\n")
     out = run(2, EXAMPLE, "--ckpt-config", str(config), "--max-steps", "10", "--sample-log", str(d / "log"),
               "--out", str(d / "out"))
     assert "done at step 10" in out
@@ -362,13 +362,13 @@ def test_invalid_yaml_config_fails_naming_the_key(tmp_path):
 
     model = torch.nn.Linear(2, 2)
     bad = tmp_path / "bad.yaml"
-    bad.write_text(f"path: {tmp_path}\nevery_n_step: 5\n")
-    with pytest.raises(ConfigError, match=r"unknown key\(s\) 'every_n_step'.*known keys: .*every_n_steps"):
+    bad.write_text(f"dirpath: {tmp_path}\nevery_n_step: 5\n")
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) 'every_n_step'.*known keys: .*every_n_train_steps"):
         HorovodCheckpointer(model=model, config=str(bad))
-    bad.write_text(f"path: {tmp_path}\nevery_n_steps: -3\n")
-    with pytest.raises(ConfigError, match=r"every_n_steps=-3 is invalid"):
+    bad.write_text(f"dirpath: {tmp_path}\nevery_n_train_steps: -3\n")
+    with pytest.raises(ConfigError, match=r"every_n_train_steps=-3 is invalid"):
         HorovodCheckpointer(model=model, config=str(bad))
-    bad.write_text(f"path: {tmp_path}\nevery_n_steps: 5\noverhead_budget: 0.03\n")
+    bad.write_text(f"dirpath: {tmp_path}\nevery_n_train_steps: 5\noverhead_budget: 0.03\n")
     with pytest.raises(ConfigError, match="mutually exclusive"):
         HorovodCheckpointer(model=model, config=str(bad))
 
@@ -519,7 +519,7 @@ def test_optimizer_hparams_script_keeps_the_scripts_values_and_the_schedules_pos
 
     def hook(model, optimizer, scheduler, **kw):
         return HorovodCheckpointer(str(tmp_path), model=model, optimizer=optimizer, scheduler=scheduler,
-                                   comm=LocalComm(), save_on_sigterm=False, **kw)
+                                   _comm=LocalComm(), save_on_sigterm=False, **kw)
 
     model, optimizer, scheduler = _sgd_job(0.02, 1e-4)
     ck = hook(model, optimizer, scheduler)
@@ -528,7 +528,7 @@ def test_optimizer_hparams_script_keeps_the_scripts_values_and_the_schedules_pos
     saved_lr, saved_state = optimizer.param_groups[0]["lr"], optimizer.state_dict()["state"]
 
     model, optimizer, scheduler = _sgd_job(0.03, 5e-4)
-    assert hook(model, optimizer, scheduler, optimizer_hparams="script").restore() == 4
+    assert hook(model, optimizer, scheduler, optimizer_hparams="script").restore().step == 4
     group = optimizer.param_groups[0]
     assert scheduler.base_lrs == [0.03] and group["initial_lr"] == 0.03 and scheduler.last_epoch == 4
     assert group["weight_decay"] == 5e-4 and group["lr"] == pytest.approx(saved_lr * 1.5)
@@ -587,7 +587,7 @@ def test_epochs_without_set_epoch_or_sampler_continue_in_the_scripts_numbering(t
 
     def hook(name: str, sampler) -> HorovodCheckpointer:
         return HorovodCheckpointer(str(tmp_path / name), model=torch.nn.Linear(1, 1), sampler=sampler,
-                                   comm=LocalComm(), save_on_sigterm=False)
+                                   _comm=LocalComm(), save_on_sigterm=False)
 
     def train(ck: HorovodCheckpointer, sampler, stop_after: int | None = None) -> dict[int, list[int]]:
         seen: dict[int, list[int]] = {}
@@ -610,7 +610,7 @@ def test_epochs_without_set_epoch_or_sampler_continue_in_the_scripts_numbering(t
     ck.close(final=False)
     torch.manual_seed(999)  # another process
     ck = hook("cut", sampler := RandomSampler(data))
-    assert (ck.restore(), ck.epoch) == (3, 2)
+    assert (ck.restore().step, ck.epoch) == (3, 2)
     assert train(ck, sampler) == {2: ref[2], 3: ref[3]}
     ck.close()
 

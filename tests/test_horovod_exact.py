@@ -95,16 +95,16 @@ def test_the_key_is_validated_in_yaml_and_keywords_and_checked_where_it_cannot_h
     from horovod_ckpt.reduction import requested
 
     config = tmp_path / "ck.yaml"
-    config.write_text(f"path: {tmp_path / 'ck'}\ndeterministic_reduction: true\n")
+    config.write_text(f"dirpath: {tmp_path / 'ck'}\ndeterministic_reduction: true\n")
     assert requested(str(config)) is True and requested(str(config), False) is False and requested() is False
-    config.write_text(f"path: {tmp_path / 'ck'}\ndeterministic_reduction: 1\n")
+    config.write_text(f"dirpath: {tmp_path / 'ck'}\ndeterministic_reduction: 1\n")
     with pytest.raises(ConfigError, match=r"deterministic_reduction=1 is invalid: expected true or false"):
         requested(str(config))
     with pytest.raises(ConfigError, match=r"deterministic_reduction='yes' is invalid"):
         requested(None, "yes")
-    ck = HorovodCheckpointer(str(tmp_path / "ck"), model=torch.nn.Linear(2, 2), comm=LocalComm(),
+    ck = HorovodCheckpointer(str(tmp_path / "ck"), model=torch.nn.Linear(2, 2), _comm=LocalComm(),
                              save_on_sigterm=False, deterministic_reduction=True)
-    assert ck.config.deterministic_reduction and ck.restore() == 0
+    assert ck.config.deterministic_reduction and ck.restore() is None
     ck.close()
 
     if HAVE_HOROVOD:
@@ -112,7 +112,7 @@ def test_the_key_is_validated_in_yaml_and_keywords_and_checked_where_it_cannot_h
 
         monkeypatch.delenv("HOROVOD_FUSION_THRESHOLD", raising=False)
         with pytest.raises(ConfigError, match=r"tensor fusion is on \(HOROVOD_FUSION_THRESHOLD unset"):
-            DurableTorchState(model=torch.nn.Linear(2, 2), config={"path": str(tmp_path / "el"),
+            DurableTorchState(model=torch.nn.Linear(2, 2), config={"dirpath": str(tmp_path / "el"),
                                                                    "deterministic_reduction": True})
 
 
@@ -136,7 +136,7 @@ def test_init_turns_fusion_off_before_horovod_starts_and_refuses_once_it_runs(mo
         assert "HOROVOD_FUSION_THRESHOLD" not in os.environ and horovod_ckpt.init() is False
         hvd.shutdown()
         assert horovod_ckpt.init(deterministic_reduction=True) is True and hvd.is_initialized()
-        assert os.environ["HOROVOD_FUSION_THRESHOLD"] == "0" and horovod_ckpt.init({"path": "/x",
+        assert os.environ["HOROVOD_FUSION_THRESHOLD"] == "0" and horovod_ckpt.init({"dirpath": "/x",
                                                                                    "deterministic_reduction": True})
     finally:
         hvd.shutdown()

@@ -136,7 +136,7 @@ def test_from_config_builds_one_or_several_levels(tmp_path):
         ck.save(state(1), 1)
         ck.wait(flush=True)
     assert manifest_dirs(Storage(str(tmp_path / "b")))
-    with Checkpointer.from_config(CheckpointConfig(path=str(tmp_path / "c"), keep_last=1)) as ck:
+    with Checkpointer.from_config(CheckpointConfig(dirpath=str(tmp_path / "c"), keep_last=1)) as ck:
         assert isinstance(ck._dest, SingleLevel) and ck.keep_last == 1
 
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from ckpt_engine import Restored
 from lightning_ckpt import AsyncShardedCheckpoint, _lightning, _sharded, _trainer_api
 from lightning_ckpt._resume import CheckpointIOWrapper
 
@@ -94,7 +95,7 @@ def test_lightning_cli_of_each_distribution_takes_the_callback_from_yaml(pl, tmp
     lightning_cli = importlib.import_module(f"{pl.__name__}.cli").LightningCLI
     cli = lightning_cli(_module(pl), run=False, args=["--config", str(config)], save_config_callback=None)
     [cb] = [c for c in cli.trainer.callbacks if isinstance(c, AsyncShardedCheckpoint)]
-    assert cb.config.every_n_steps == 4 and cb.config.keep_last == 2
+    assert cb.config.every_n_train_steps == 4 and cb.config.keep_last == 2
 
 
 def test_a_fit_of_each_distribution_checkpoints_and_a_second_fit_resumes_it_bit_for_bit(pl, tmp_path):
@@ -102,9 +103,12 @@ def test_a_fit_of_each_distribution_checkpoints_and_a_second_fit_resumes_it_bit_
     end), a second fit to step 9 resumes from 6 and ends where an uninterrupted 9-step fit does."""
     reference, _ = _fit(pl, tmp_path / "ref", 9)
     first, cb = _fit(pl, tmp_path / "ck", 6)
-    assert first["step"] == 6 and cb.resumed_from is None
+    assert first["step"] == 6 and cb.resumed_from is None and cb.restored is None
     resumed, cb = _fit(pl, tmp_path / "ck", 9)
     assert cb.resumed_from == 6 and resumed["step"] == 9
+    r = cb.restored  # the one result type of every restore(): the core's
+    assert isinstance(r, Restored) and (r.step, r.level) == (6, 0) and r.where.endswith(r.dirname)
+    assert r.where.startswith(str(tmp_path / 'ck')) and r.sources["state"] == f"read from level 0 ({r.where})"
     for key, value in reference["model"].items():
         assert torch.equal(value, resumed["model"][key]), key
     for index, moments in reference["optimizer"]["state"].items():

@@ -135,7 +135,7 @@ def test_horovod_hook_resumes_a_lost_node_and_a_lost_disk_from_the_other_nodes_m
     config = tmp_path / "ckpt.yaml"  # the example's file, with this test's places
     config.write_text((ROOT / "examples" / "horovod_ckpt_memory.yaml").read_text()
                       .replace("path: /dev/shm/ckpt-suite,", f"path: {tmp_path / 'mem'}, job: hvd,")
-                      .replace("/tmp/hvd-ck", str(tmp_path / "ck")).replace("every_n_steps: 2", "every_n_steps: 5"))
+                      .replace("/tmp/hvd-ck", str(tmp_path / "ck")).replace("every_n_train_steps: 2", "every_n_train_steps: 5"))
     ref, run = tmp_path / "ref", tmp_path / "run"
     for d in (ref, ref / "log", run, run / "log"):
         d.mkdir()

@@ -251,13 +251,13 @@ def test_a_lost_node_resumes_from_the_newest_step_in_the_other_nodes_memory(tmp_
         assert (r["latest"], r["step"], r["level"], r["failures"], r["warnings"]) == (3, 3, 0, [], [])
         assert r["state"] == digest(make_state(3)) and r["local"] == digest(make_local(3, rank))
     # Node 0 without node 1's replicas either (the held disk never took step 1: memory keeps it for the flush):
-    # nothing to restore, and the job is told why
+    # nothing to restore (restore() returns None), and the job is told why in a warning
     half = _restore(tmp_path / "mem-half", str(tmp_path / "disk"), out, env, world=2)
     for r in half:
         assert (r["latest"], r["step"]) == (None, None)
         [said] = r["warnings"]
         assert "steps 1, 2, 3 skipped" in said and "step 3: ranks 2, 3 of the 4 that wrote it" in said, said
-        assert said.endswith("no other checkpoint to restore") and said in r["error"]
+        assert said.endswith("no other checkpoint to restore")
 
 
 @pytest.mark.slow

@@ -54,7 +54,7 @@ def test_routes_are_validated_everywhere():
     with pytest.raises(ValueError, match="restore_route must be one of 'auto', 'read', 'exchange', got 'fast'"):
         Exchange(LocalComm(), "fast")
     with pytest.raises(ConfigError, match="restore_route"):
-        CheckpointConfig(path="/tmp/x", restore_route="fast")
+        CheckpointConfig(dirpath="/tmp/x", restore_route="fast")
     assert not Exchange(LocalComm(), "exchange").applies(None)  # one process: nothing to exchange
 
 

@@ -180,7 +180,7 @@ def test_a_load_reads_neighbouring_tensors_together(s3_server, inflight):
 @pytest.mark.parametrize("bad", [0, -2, 2.5, True, "8"])
 def test_max_concurrency_is_validated_naming_it_and_the_value(bad, s3_server):
     with pytest.raises(ConfigError, match=rf"^storage_options\.max_concurrency={bad!r} is invalid: expected a pos"):
-        CheckpointConfig(path="s3://ckpt/x", storage_options={"max_concurrency": bad})
+        CheckpointConfig(dirpath="s3://ckpt/x", storage_options={"max_concurrency": bad})
     with pytest.raises(ConfigError, match=rf"^levels\[1\]\.storage_options\.max_concurrency={bad!r} is invalid"):
         CheckpointConfig(levels=["/tmp/a", {"path": "s3://ckpt/x", "storage_options": {"max_concurrency": bad}}])
     if not isinstance(bad, str):  # given to the storage directly (s3fs itself refuses a string with a TypeError)
@@ -189,7 +189,7 @@ def test_max_concurrency_is_validated_naming_it_and_the_value(bad, s3_server):
 
 
 def test_max_concurrency_reaches_the_storage_from_the_configuration(s3_url, s3_server):
-    cfg = CheckpointConfig(path=s3_url, storage_options={"max_concurrency": 3})
+    cfg = CheckpointConfig(dirpath=s3_url, storage_options={"max_concurrency": 3})
     with Checkpointer.from_config(cfg) as ck:
         assert ck.storage.parts_in_flight == 3
     assert Storage(s3_url).parts_in_flight == 10  # s3fs's default

@@ -86,7 +86,7 @@ def test_no_collection_starts_while_the_session_captures_and_saves(tmp_path):
         seen.where = "capture"
         return Parts(state(3), {"data": {"position": [3, {"epoch": 0}]}})  # a front end's dictionaries
 
-    session = TrainingSession(CheckpointConfig(path=str(tmp_path), every_n_steps=3), capture, name="test")
+    session = TrainingSession(CheckpointConfig(dirpath=str(tmp_path), every_n_train_steps=3), capture, name="test")
     ck = session.start(LocalComm())
     session.begin()
     save = ck.save

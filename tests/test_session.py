@@ -71,24 +71,24 @@ def train(session: TrainingSession, job: Job, steps: int) -> list[int]:
 
 
 def test_keep_last_has_one_default_for_code_flags_yaml_files_and_mappings(tmp_path):
-    assert resolve_config(None, {"path": "/x", "keep_last": UNSET}).keep_last == DEFAULT_KEEP_LAST
-    assert resolve_config(None, {"path": "/x", "keep_last": None}).keep_last is None  # keep every checkpoint
+    assert resolve_config(None, {"dirpath": "/x", "keep_last": UNSET}).keep_last == DEFAULT_KEEP_LAST
+    assert resolve_config(None, {"dirpath": "/x", "keep_last": None}).keep_last is None  # keep every checkpoint
     yaml = tmp_path / "ckpt.yaml"
-    yaml.write_text("path: /x\nkeep_last: 7\n")
-    assert resolve_config(str(yaml), {"keep_last": UNSET, "every_n_steps": None}).keep_last == 7
+    yaml.write_text("dirpath: /x\nkeep_last: 7\n")
+    assert resolve_config(str(yaml), {"keep_last": UNSET, "every_n_train_steps": None}).keep_last == 7
     assert resolve_config(str(yaml), {"keep_last": 2}).keep_last == 2  # a flag given in code wins
-    yaml.write_text("path: /x\nkeep_last: null\n")
+    yaml.write_text("dirpath: /x\nkeep_last: null\n")
     assert resolve_config(str(yaml), {"keep_last": UNSET}).keep_last is None
     yaml.write_text("levels: [/a, {path: /b, keep_last: 10}]\n")
     assert [lv.keep_last for lv in resolve_config(str(yaml), {}).levels] == [DEFAULT_KEEP_LAST, 10]
-    assert resolve_config({"path": "/x"}, {}).keep_last == DEFAULT_KEEP_LAST
-    given = CheckpointConfig(path="/x")
+    assert resolve_config({"dirpath": "/x"}, {}).keep_last == DEFAULT_KEEP_LAST
+    given = CheckpointConfig(dirpath="/x")
     assert resolve_config(given, {"keep_last": UNSET}) is given  # a CheckpointConfig is taken as it is
 
 
 def test_the_first_checkpoint_finds_its_buffer_reserved_at_the_first_step(tmp_path):
     job = Job()
-    session = TrainingSession(CheckpointConfig(path=str(tmp_path), every_n_steps=3), job.capture, name="test")
+    session = TrainingSession(CheckpointConfig(dirpath=str(tmp_path), every_n_train_steps=3), job.capture, name="test")
     ck = session.start(LocalComm())
     session.begin()
     assert train(session, job, 1) == []
@@ -101,7 +101,7 @@ def test_the_first_checkpoint_finds_its_buffer_reserved_at_the_first_step(tmp_pa
 
 
 def test_restore_brings_back_the_state_and_the_policy_and_no_final_checkpoint_repeats_it(tmp_path):
-    config, rows = CheckpointConfig(path=str(tmp_path)), []
+    config, rows = CheckpointConfig(dirpath=str(tmp_path)), []
     job = Job()
     session = TrainingSession(config, job.capture, name="test", policy=Remembering(), on_figures=rows.append)
     session.start(LocalComm())
@@ -125,7 +125,7 @@ def test_restore_brings_back_the_state_and_the_policy_and_no_final_checkpoint_re
 
 
 def test_a_rank_without_a_writer_resumes_writer_0s_per_rank_part_and_keeps_its_own_rng(tmp_path):
-    config = CheckpointConfig(path=str(tmp_path))
+    config = CheckpointConfig(dirpath=str(tmp_path))
 
     def save(comm):
         session = TrainingSession(config, lambda: Parts({"w": torch.arange(10.0)}, {"who": comm.rank}), name="t")
@@ -149,13 +149,13 @@ def test_a_rank_without_a_writer_resumes_writer_0s_per_rank_part_and_keeps_its_o
 def test_an_exception_takes_a_final_checkpoint_in_one_process_and_warns_under_several(tmp_path):
     job = Job()
     job.train_step()
-    one = TrainingSession(CheckpointConfig(path=str(tmp_path / "one")), job.capture, name="test")
+    one = TrainingSession(CheckpointConfig(dirpath=str(tmp_path / "one")), job.capture, name="test")
     one.start(LocalComm())
     one.abort(job.step, RuntimeError("boom"), final=True)
     one.abort(job.step, RuntimeError("boom"), final=True)  # a second way out finds nothing to do
     assert not one.active and Checkpointer(str(tmp_path / "one"), readonly=True).steps() == [1]
 
-    config = CheckpointConfig(path=str(tmp_path / "two"))
+    config = CheckpointConfig(dirpath=str(tmp_path / "two"))
     sessions = [TrainingSession(config, job.capture, name="test") for _ in range(2)]
     for session, comm in zip(sessions, SequentialComm.group(2)):
         session.start(comm)
@@ -167,7 +167,7 @@ def test_an_exception_takes_a_final_checkpoint_in_one_process_and_warns_under_se
 
 def test_an_agreed_preemption_checkpoints_that_step_and_gives_the_signal_back(tmp_path):
     job = Job()
-    session = TrainingSession(CheckpointConfig(path=str(tmp_path), every_n_steps=100), job.capture, name="test")
+    session = TrainingSession(CheckpointConfig(dirpath=str(tmp_path), every_n_train_steps=100), job.capture, name="test")
     ck = session.start(LocalComm(), stop=SignalAgreement(None))
     previous = signal.getsignal(signal.SIGTERM)
     session.begin()
@@ -198,7 +198,7 @@ def test_a_second_signal_during_the_final_checkpoint_does_not_interrupt_it(tmp_p
             os.kill(os.getpid(), signal.SIGTERM)  # the second notice, while the final checkpoint is taken
             return job.capture()
 
-        session = TrainingSession(CheckpointConfig(path=str(tmp_path), every_n_steps=100), job.capture, name="test")
+        session = TrainingSession(CheckpointConfig(dirpath=str(tmp_path), every_n_train_steps=100), job.capture, name="test")
         ck = session.start(LocalComm(), stop=SignalAgreement(None))
         session.begin()
         train(session, job, 2)

@@ -38,7 +38,9 @@ from .search import search
 
 @dataclass(frozen=True)
 class Restored:
-    """What a rank resumes from: one checkpoint, every part of it this rank uses verified."""
+    """What a rank resumes from: one checkpoint, every part of it this rank uses verified. The one
+    result of every ``restore()``: ``Checkpointer.restore()``, ``HorovodCheckpointer.restore()`` and
+    ``AsyncShardedCheckpoint.restored`` (each ``None`` when nothing was restored)."""
 
     step: int
     dirname: str
@@ -50,6 +52,12 @@ class Restored:
     manifest: Manifest
     level: int = 0
     """The level it was read from (0: the first, fastest)."""
+    where: str = ""
+    """The checkpoint's directory, as a URL (no credentials): what to paste into ``ckpt verify``."""
+    sources: Mapping[str, str] = field(default_factory=dict)
+    """Where each part came from and how: ``state`` (the replicated state: read from ``where``, or
+    its pieces exchanged over the process group), ``local`` and ``first`` (this rank's writer's and
+    writer 0's per-rank parts); one line of text each, for logs."""
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,12 @@ the session adds its own entries (the policy's state, the RNG states) and gets b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from ..format.manifest import Manifest
+
+if TYPE_CHECKING:
+    from ..load.agreed import Restored
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,8 @@ class Resumed:
     """Writer 0's per-rank part: values every rank takes from writer 0 (Lightning's loops)."""
     manifest: Manifest
     """The checkpoint's manifest (``world_size``: the ranks that wrote it; ``created_at``)."""
+    restored: "Restored"
+    """The core's result (step, level, where each part came from): what the front ends return."""
 
 
 def split_weights(weights: Mapping[str, Any], buffer_names: Iterable[str]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -11,7 +11,7 @@ Order of calls, on every rank, from the training thread::
 
     session = TrainingSession(config, capture, name="MyFrontEnd")  # no collective yet
     session.start(comm, stop=agreement)     # collective: opens the checkpointer
-    resumed = session.restore()             # collective; NoCheckpointError: start fresh
+    resumed = session.restore()             # collective; None: nothing committed, start fresh
     session.begin()                         # the loop starts: iteration clock, signal handlers
     # after every real optimizer step (before_update() before the next one):
         if session.due(step): session.save(step)
@@ -99,25 +99,28 @@ class TrainingSession:
         self._stop, self._handle, self._reserved, self.last_saved = stop, None, False, None
         return self.ck
 
-    def restore(self, step: int | None = None, into: Mapping[str, Any] | None = None) -> Resumed:
+    def restore(self, step: int | None = None, into: Mapping[str, Any] | None = None) -> Resumed | None:
         """Every rank together: the newest checkpoint (or the newest attempt of ``step``) whose
         every part this rank uses verifies on every rank (a damaged one is skipped by all).
 
         Loads the policy's state and restarts the iteration clock; returns this rank's parts
-        (:class:`Resumed`: writer 0's per-rank part for a rank that had no writer). Raises
-        :class:`~ckpt_engine.NoCheckpointError` when nothing is committed (start fresh).
-        ``into``: the replicated part to fill in place (``Checkpointer.restore(into=...)``: a sharded
-        model's and optimizers' state, each rank reading its chunks); ``replicated`` is then a new
-        mapping of its entries (the same objects, filled) and the policy's.
+        (:class:`Resumed`: writer 0's per-rank part for a rank that had no writer), or ``None`` when
+        nothing is committed (start fresh; a ``step`` not committed raises
+        :class:`~ckpt_engine.NoCheckpointError`). ``into``: the replicated part to fill in place
+        (``Checkpointer.restore(into=...)``: a sharded model's and optimizers' state, each rank
+        reading its chunks); ``replicated`` is then a new mapping of its entries (the same objects,
+        filled) and the policy's.
         """
         restored = self._open().restore(step, into=None if into is None else {**into, "policy": None})
+        if restored is None:
+            return None
         own = restored.local
         if "policy" in restored.state:
             self.policy.load_state_dict(restored.state["policy"] or {})
         self.resumed_from = self.last_saved = restored.step
         self._agreement().restart_clock()
         return Resumed(restored.step, restored.state, own if own is not None else restored.first,
-                       own.get("rng") if own is not None else None, restored.first, restored.manifest)
+                       own.get("rng") if own is not None else None, restored.first, restored.manifest, restored)
 
     def begin(self) -> None:
         """The training loop starts (after the framework installed its own signal handlers):
