@@ -129,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                              scheduler=scheduler, config=args.ckpt_config, every_n_train_steps=args.every,
                              deterministic_reduction=args.deterministic_reduction, on_figures=figures)
     restored = ck.restore()  # ckpt: None on a fresh start
-    say(f"resumed from step {restored.step} ({restored.where}), epoch {ck.epoch}, {ck.samples_in_epoch} samples "
-        "of it done" if restored else "fresh start", flush=True)
+    say(f"resumed from step {restored.step}, epoch {ck.epoch}, {ck.samples_in_epoch} samples of it done "
+        f"({restored.sources['state']})" if restored else "fresh start", flush=True)
     log = open(os.path.join(args.sample_log, f"rank-{hvd.rank()}.jsonl"), "a") if args.sample_log else None
 
     step = ck.step  # the restored step (0 on a fresh start)

@@ -60,9 +60,9 @@ class Counting(AsyncShardedCheckpoint):
 
     resumed_level = None
 
-    def restore(self, step):
+    def lightning_checkpoint(self, step):
         self.restores += 1
-        restored = super().restore(step)
+        restored = super().lightning_checkpoint(step)
         self.resumed_level = self.session.ck.loaded_level
         return restored
 
