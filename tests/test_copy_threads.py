@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from ckpt_engine import Checkpointer
+from ckpt_engine import Checkpointer, LocalComm
 from ckpt_engine.save.buffers import HostBuffer
 from ckpt_engine.save.copy import (COPY_CHUNK, SPLIT_MIN, CopyCalls, copy_into, group, moves, piece_moves, plan_copy,
                                    split)
@@ -326,3 +326,48 @@ def test_a_cpu_save_is_checksummed_by_its_copy_and_persist_does_not_hash_it_agai
     assert sum(copied_by_persist) < 16 << 10, copied_by_persist  # its index file only, never the data (34 MB)
     for k in ("a", "b", "c", "d"):
         assert torch.equal(loaded[k], state[k])
+
+
+@pytest.mark.parametrize("cores, local_ranks, threads", [
+    (2, 1, 2),    # 1 rank on 2 cores: a spare core, a helper on it
+    (2, 2, 1),    # 2 ranks on 2 cores: one core each, the copy alone
+    (4, 2, 2),    # 2 ranks on 4 cores
+    (3, 2, 1),    # 2 ranks on 3 cores: no whole spare core each
+    (16, 8, 2),
+    (64, 1, 4),   # past 4 a copy is limited by memory, not by a core
+    (1, 1, 1),
+])
+def test_the_copy_takes_a_helper_exactly_when_the_rank_has_a_spare_core(monkeypatch, cores, local_ranks, threads):
+    """``copy_threads``' default follows the cores a rank has (#47): those this process may run on, shared among the
+    ranks of its node (``LOCAL_WORLD_SIZE``, else the world size); no timing."""
+    from ckpt_engine import comm
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_ranks))
+    assert comm.copy_threads_for(8, cores) == threads
+    monkeypatch.setattr(comm, "cores_available", lambda: cores)
+    assert comm.copy_threads_for(8) == threads
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert comm.copy_threads_for(local_ranks) == threads  # without torchrun's variable: the world size
+    with Checkpointer("memory://spare-core", comm=LocalComm()) as ck:
+        assert ck.copy_threads == comm.copy_threads_for(1)
+
+
+def test_the_cores_available_are_this_process_affinity(monkeypatch):
+    """``taskset -c 0 python train.py`` is a one-core rank whatever the machine has (checked on a thread bound to one
+    core: on Linux the affinity is a thread's, and ``sched_getaffinity(0)`` reads the calling one's)."""
+    import os
+
+    from ckpt_engine.comm import cores_available, copy_threads_for
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert cores_available() == len(os.sched_getaffinity(0))
+    seen: list[tuple[int, int]] = []
+
+    def bound() -> None:
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+        seen.append((cores_available(), copy_threads_for(1)))
+
+    t = threading.Thread(target=bound)
+    t.start()
+    t.join()
+    assert seen == [(1, 1)]
