@@ -18,6 +18,7 @@ import resource
 import shutil
 import socket
 import statistics
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -156,6 +157,12 @@ def write_report(out: str, name: str, text: str, doc: dict[str, Any]) -> str:
         json.dump(doc, f, indent=1, default=str)
     print(text)
     return text
+
+
+def git_commit() -> str:
+    """The short hash of this checkout's ``HEAD`` (empty outside a git checkout)."""
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
+                          text=True).stdout.strip()
 
 
 # ---- host memory -------------------------------------------------------------------------------------
@@ -503,17 +510,31 @@ def best_rounds(rounds: Iterable[Metrics]) -> Metrics:
     return out
 
 
-def peer_rounds(ctx: RankCtx, stem: str, one_round: Callable[[str], Metrics]) -> Metrics:
+def peer_rounds(ctx: RankCtx, stem: str, save: Callable[[str], Metrics],
+                load: Callable[[str], Metrics] | None = None, rank0: bool = False) -> Metrics:
     """``ctx.peer_reps`` rounds of a peer, each to its own path ``stem-<round>``, deleted after the last
-    round; the first is cold (``ctx.cold``), later ones find a warm heap. The best of each figure."""
+    round: between barriers, ``save(path)`` with its peak RSS (``rank0``: rank 0 saves, the others wait),
+    then ``load(path)`` on every rank. The first round is cold (``ctx.cold``), later ones find a warm
+    heap. The best of each figure."""
     rounds = []
     for i in range(ctx.peer_reps):
-        ctx.cold = i == 0
-        rounds.append(one_round(ctx.path(f"{stem}-{i}")))
+        ctx.cold, path = i == 0, ctx.path(f"{stem}-{i}")
+        ctx.barrier()
+        m: Metrics = {}
+        if not (rank0 and ctx.rank):
+            probe = MemProbe().start(trim=ctx.cold)
+            m = {**save(path), "mem_extra_bytes": probe.peak_extra()}
+        rounds.append({**m, **(load(path) if load is not None else {})})
         gc.collect()
     ctx.cold = True
     ctx.remove(stem)
     return best_rounds(rounds)
+
+
+def synchronous(save: Callable[[], Any]) -> Metrics:
+    """The figures of a save that is durable when it returns: its seconds are its stall and its total."""
+    seconds = timed(save)[0]
+    return {"stall_s": seconds, "mutable_s": seconds, "total_s": seconds}
 
 
 # ---- a quiet machine ---------------------------------------------------------------------------------

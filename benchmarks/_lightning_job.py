@@ -1,19 +1,24 @@
-"""One Lightning fit on CPU under one checkpointing contender, in a fresh process, and its figures.
+"""The one Lightning job: a fit under one checkpointing contender, and its figures.
 
-The one Lightning job of ``bench_lightning`` and ``bench_overhead``: Lightning's demo Transformer
-(``LightningTransformer``, 14.6 M parameters, with Adam: ~176 MB of state) on synthetic tokens cut as the
-demo's ``WikiText2`` cuts its text, or (``model="mlp"``) an MLP ``512 -> 2048 -> 2048 -> 10`` with Adam
-(~63 MB). Contenders: :data:`CONTENDERS` (the memory ones on a disk paced by ``_slow_storage``).
+Used by ``bench_lightning`` and ``bench_overhead`` (CPU, each fit a fresh process: :func:`run_fit`) and
+by ``bench_gpu_lightning`` (one GPU, the fits in its own process: :func:`fit`). Models: Lightning's demo
+Transformer (``LightningTransformer``, 14.6 M parameters, with Adam: ~176 MB of state) on synthetic tokens
+cut as the demo's ``WikiText2`` cuts its text; an MLP ``512 -> 2048 -> 2048 -> 10`` with Adam (~63 MB);
+``transformers``' GPT-2 (``GPT2LMHeadModel(GPT2Config())``, 124 M parameters, AdamW) on random tokens,
+or a 2-layer one (``gpt2-tiny``). Contenders: :data:`CONTENDERS` (the memory ones on a disk paced by
+``_slow_storage``) and :data:`GPU_CONTENDERS`.
 
-Each fit is a process of its own (:func:`run_fit`), so its figures are whole-process ones: CPU by
-``getrusage`` (imports included), ``fit`` CPU and wall, CPU by thread, per checkpoint the training
-thread's CPU, and at every step's end the wall time, main-thread and process CPU (``marks``), from which
-:func:`local_costs` and :func:`drift_corrected` take their figures.
+A fit's figures: CPU by ``getrusage`` (imports included), ``fit`` CPU and wall, CPU by thread, per
+checkpoint the training thread's CPU, at every step's end the wall time, main-thread and process CPU
+(``marks``, from which :func:`local_costs` and :func:`drift_corrected` take their figures), and the
+device-synchronized start of step :data:`FIRST_TIMED` and end of training.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import math
 import os
@@ -34,14 +39,19 @@ VOCAB = 33278
 DEFAULT_CONTENDERS = ("none", "mc_sync", "mc_async", "ours", "ours_pipe")
 MEMORY_CONTENDERS = ("ours_disk50", "ours_mem", "ours_mem_every1", "copy_hash_every1")
 CONTENDERS = DEFAULT_CONTENDERS + MEMORY_CONTENDERS
+GPU_CONTENDERS = ("none", "disk", "memory", "memory_pipeline")
+"""``bench_gpu_lightning``'s: ours on the local disk, or through the memory level in front of it."""
 PEERS = ("mc_sync", "mc_async")
 OURS = ("ours", "ours_pipe")
 SLOW_DISK = ("ours_disk50", "ours_mem", "ours_mem_every1")
-MEMORY_LEVEL = ("ours_mem", "ours_mem_every1")
+MEMORY_LEVEL = ("ours_mem", "ours_mem_every1", "memory", "memory_pipeline")
+PIPELINE = ("ours_pipe", "memory_pipeline")
 EVERY_STEP = ("ours_mem_every1", "copy_hash_every1")
 """The contenders that checkpoint (or copy and hash) at every step, whatever ``every`` says."""
 SHM_ROOT = "/dev/shm/ckpt-suite-bench"
-"""The memory level's root: one directory per fit below it, removed after the fit."""
+"""The memory level's default root: one directory per fit below it, removed after the fit."""
+FIRST_TIMED = 5
+"""The device-synchronized timing (``timed_start_s``) starts at this step: CUDA and the allocator warm."""
 TARGET_VS_PEER = 1 / 3
 """Target: our overhead at most a third of the best peer's at the same interval."""
 LABELS = {"none": "no checkpointing", "mc_sync": "ModelCheckpoint (sync torch.save)",
@@ -49,12 +59,15 @@ LABELS = {"none": "no checkpointing", "mc_sync": "ModelCheckpoint (sync torch.sa
           "ours_pipe": "ours, pipeline=True"}
 PYCACHE = os.path.join(tempfile.gettempdir(), "ckpt-suite-bench-pycache")
 """The fits' bytecode cache, outside the repository: ours is not charged for compiling ``ckpt_engine``."""
+PL = "pytorch_lightning" if importlib.util.find_spec("pytorch_lightning") else "lightning.pytorch"
+"""The trainer package the fits use: the standalone distribution where installed, else the unified one."""
 
 
 @dataclass(frozen=True)
 class FitJob:
     """The fit: ``steps`` optimizer steps of ``model``, a checkpoint every ``every`` steps; ``block`` tokens
-    per sample; ``threads``: ``torch.set_num_threads`` (0: torch's default); ``disk_mb_s``: the slow disk."""
+    per sample; ``threads``: ``torch.set_num_threads`` (0: torch's default); ``disk_mb_s``: the slow disk;
+    ``device``, ``precision``: the ``Trainer``'s; ``shm``: the memory level's root."""
 
     model: str = "transformer"
     steps: int = 120
@@ -64,6 +77,9 @@ class FitJob:
     keep: int = 3
     seed: int = 0
     disk_mb_s: float = 50.0
+    device: str = "cpu"
+    precision: str = "32-true"
+    shm: str = SHM_ROOT
 
 
 def every_of(job: FitJob, contender: str) -> int:
@@ -87,7 +103,9 @@ class FitResult:
     at ``save_steps`` (for none: the steps the others checkpoint, a control); ours' ``figures.jsonl`` rows
     and counters; ``marks``: at every step's end (``perf_counter``, main-thread CPU, process CPU);
     ``end_*``: from the start of ``fit`` to the first ``on_train_end`` (before ours' final wait);
-    ``shm_left``: what the fit left in its memory directory; ``copy_hash``: the floor's (wall, CPU)."""
+    ``shm_left``: what the fit left in its memory directory; ``copy_hash``: the floor's (wall, CPU);
+    ``timed_start_s``: the start of step :data:`FIRST_TIMED`, ``drain_s``: ours' ``on_train_end``;
+    ``records``: ours' (step, stall ms, bytes) per save; ``buffers``: its snapshot buffers' kinds."""
 
     contender: str
     rep: int
@@ -109,6 +127,11 @@ class FitResult:
     counters: dict[str, float] = field(default_factory=dict)
     shm_left: list[str] = field(default_factory=list)
     copy_hash: list[tuple[float, float]] = field(default_factory=list)
+    timed_start_s: float = float("nan")
+    drain_s: float = 0.0
+    records: list[tuple[int, float, int]] = field(default_factory=list)
+    buffers: list[str] = field(default_factory=list)
+    allocations: int = 0
     name: str = ""
     """The benchmark's name of the configuration (``contender`` when empty)."""
 
@@ -132,30 +155,45 @@ class FitResult:
         return asdict(self)
 
 
-def run_fit(job: FitJob, contender: str, workdir: str, rep: int = 0, name: str = "", budget: float = 0.0,
-            slow_at_step: int = 0, slow_mb_s: float = 0.0) -> FitResult:
-    """One fit of ``job`` under ``contender`` in a fresh process and ``workdir`` (removed after). ``budget``:
-    ours with ``overhead_budget``; ``slow_at_step``: ours' disk paced to ``slow_mb_s`` from that step on."""
-    if contender not in CONTENDERS:
-        raise ValueError(f"contender must be one of {CONTENDERS}, got {contender!r}")
+def _job_args(job: FitJob, contender: str, workdir: str, **kw: Any) -> dict[str, Any]:
+    """The child's arguments of one fit (``kw``: ``budget``, ``slow_at_step``, ``slow_mb_s``, ``mem_job``)."""
+    if contender not in CONTENDERS + GPU_CONTENDERS:
+        raise ValueError(f"contender must be one of {CONTENDERS + GPU_CONTENDERS}, got {contender!r}")
     shutil.rmtree(workdir, ignore_errors=True)
     os.makedirs(workdir)
-    out, mem_job = os.path.join(workdir, "result.json"), f"fit-{os.getpid()}-{rep}-{contender}-{uuid.uuid4().hex[:8]}"
-    job_args = {**asdict(job), "every": every_of(job, contender), "budget": budget, "slow_at_step": slow_at_step,
-                "slow_mb_s": slow_mb_s}
-    args = [sys.executable, os.path.abspath(__file__), "--contender", contender, "--out", out, "--dir", workdir,
-            "--mem-job", mem_job, *(x for k, v in job_args.items() for x in (f"--{k.replace('_', '-')}", str(v)))]
+    return {**asdict(job), "every": every_of(job, contender), "budget": 0.0, "slow_at_step": 0, "slow_mb_s": 0.0,
+            "mem_job": f"fit-{os.getpid()}-{contender}-{uuid.uuid4().hex[:8]}", **kw, "contender": contender,
+            "dir": workdir, "out": os.path.join(workdir, "result.json")}
+
+
+def run_fit(job: FitJob, contender: str, workdir: str, rep: int = 0, name: str = "", **kw: Any) -> FitResult:
+    """One fit of ``job`` under ``contender`` in a fresh process and ``workdir`` (removed after). ``budget``:
+    ours with ``overhead_budget``; ``slow_at_step``: ours' disk paced to ``slow_mb_s`` from that step on."""
+    a = _job_args(job, contender, workdir, **kw)
+    args = [sys.executable, os.path.abspath(__file__), *(x for k, v in a.items() for x in (f"--{k.replace('_', '-')}",
+                                                                                            str(v)))]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"} | {"PYTHONPYCACHEPREFIX": PYCACHE}
     try:
         done = subprocess.run(args, cwd=workdir, capture_output=True, text=True, env=env)
     finally:  # a fit that died leaves its memory behind: never let it pile up in /dev/shm
-        remove_memory(mem_job)
-    if done.returncode != 0 or not os.path.exists(out):
+        remove_memory(job.shm, a["mem_job"])
+    if done.returncode != 0 or not os.path.exists(a["out"]):
         raise RuntimeError(f"the {contender} fit failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-    with open(out) as f:
+    with open(a["out"]) as f:
         res = json.load(f)
     shutil.rmtree(workdir, ignore_errors=True)
     return FitResult(contender=contender, rep=rep, name=name or contender, **res)
+
+
+def fit(job: FitJob, contender: str, workdir: str, rep: int = 0, **kw: Any) -> FitResult:
+    """:func:`run_fit` in this process (a GPU bench's: its fits share one CUDA context)."""
+    a = argparse.Namespace(**_job_args(job, contender, workdir, **kw))
+    try:
+        res = _fit(a)
+    finally:
+        remove_memory(job.shm, a.mem_job)
+        shutil.rmtree(workdir, ignore_errors=True)
+    return FitResult(contender=contender, rep=rep, name=contender, **res)
 
 
 def quiet_fit(job: FitJob, contender: str, workdir: str, quiet: float, retry: bool = False,
@@ -187,15 +225,15 @@ def warm_up(job: FitJob, workdir: str, memory: bool = False) -> None:
         run_fit(FitJob(**{**asdict(job), "steps": 2 * job.every}), contender, workdir)
 
 
-def remove_memory(mem_job: str) -> list[str]:
-    """Remove the memory directory of ``mem_job`` (and the root, once empty); return the files it held
-    (``["(empty directories)"]`` if only those)."""
-    top = os.path.join(SHM_ROOT, mem_job)
+def remove_memory(root: str, mem_job: str) -> list[str]:
+    """Remove the memory directory of ``mem_job`` below ``root`` (and ``root``, once empty); return the files
+    it held (``["(empty directories)"]`` if only those)."""
+    top = os.path.join(root, mem_job)
     left = sorted(os.path.relpath(os.path.join(d, f), top) for d, _, names in os.walk(top) for f in names)
     left = left or (["(empty directories)"] if os.path.isdir(top) else [])
     shutil.rmtree(top, ignore_errors=True)
     try:
-        os.rmdir(SHM_ROOT)
+        os.rmdir(root)
     except OSError:
         pass
     return left
@@ -259,7 +297,7 @@ def local_costs(r: FitResult, window: int, i: int = 0, tail: float = 0.7) -> lis
     return out
 
 
-# ---- the child: one fit ------------------------------------------------------------------------------
+# ---- the fit ------------------------------------------------------------------------------------------
 _ENDED: dict[str, float] = {}
 """CPU seconds of the Python threads that ended, by name (child process)."""
 
@@ -304,12 +342,20 @@ def _rusage_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _model(a: argparse.Namespace) -> Any:
-    """The fit's LightningModule: the demo Transformer with Adam and synthetic tokens, or the MLP."""
-    import pytorch_lightning as pl
+def _sync() -> None:
+    """Wait for the device (nothing without CUDA)."""
     import torch
-    from pytorch_lightning.demos.transformer import LightningTransformer
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _model(a: argparse.Namespace) -> Any:
+    """The fit's LightningModule: the demo Transformer with Adam and synthetic tokens, the MLP, or GPT-2."""
+    import torch
     from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+    pl = importlib.import_module(PL)
 
     class SyntheticTokens(Dataset):
         def __init__(self, samples: int, block: int, seed: int) -> None:
@@ -323,7 +369,7 @@ def _model(a: argparse.Namespace) -> Any:
             start = index * self.block
             return self.data[start:start + self.block], self.data[start + 1:start + self.block + 1]
 
-    class DemoTransformer(LightningTransformer):
+    class DemoTransformer(importlib.import_module(f"{PL}.demos.transformer").LightningTransformer):
         def prepare_data(self) -> None:  # no download
             pass
 
@@ -350,34 +396,64 @@ def _model(a: argparse.Namespace) -> Any:
             x, y = torch.randn(6400, 512, generator=g), torch.randint(0, 10, (6400,), generator=g)
             return DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True, drop_last=True)
 
-    return DemoTransformer(vocab_size=VOCAB) if a.model == "transformer" else MLP()
+    class GPT2(pl.LightningModule):
+        def __init__(self) -> None:
+            from transformers import GPT2Config, GPT2LMHeadModel
+
+            super().__init__()
+            tiny = a.model == "gpt2-tiny"
+            self.config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=64) if tiny \
+                else GPT2Config()
+            self.batch, self.seq = (4, 64) if tiny else (16, 1024)
+            self.model = GPT2LMHeadModel(self.config)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            (tokens,) = batch
+            return self.model(input_ids=tokens, labels=tokens).loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+        def train_dataloader(self) -> DataLoader:
+            g = torch.Generator().manual_seed(1)
+            tokens = torch.randint(0, self.config.vocab_size, (a.steps * self.batch, self.seq), generator=g)
+            return DataLoader(TensorDataset(tokens), batch_size=self.batch, shuffle=True)
+
+    return {"transformer": lambda: DemoTransformer(vocab_size=VOCAB), "mlp": MLP}.get(a.model, GPT2)()
 
 
-def _child(a: argparse.Namespace) -> None:
+def _fit(a: argparse.Namespace) -> dict[str, Any]:
+    """One fit under ``a.contender``; its figures (the fields of :class:`FitResult` but the first two)."""
     start = time.perf_counter()
-    _count_thread_cpu()
     import logging
     import warnings
 
-    import pytorch_lightning as pl
     import torch
 
+    pl = importlib.import_module(PL)
     for name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
 
     class Marks(pl.Callback):
-        """First callback: the time and CPU at every step's end, and when training ends (before the other
-        callbacks' ``on_train_end``, so before ours waits for its last checkpoint)."""
+        """First callback: the time and CPU at every step's end, the synchronized start of step
+        :data:`FIRST_TIMED`, and when training ends (before the other callbacks' ``on_train_end``, so
+        before ours waits for its last checkpoint)."""
 
         def __init__(self) -> None:
             self.marks: list[tuple[float, float, float]] = []
-            self.end = (float("nan"), float("nan"))
+            self.end, self.start = (float("nan"), float("nan")), float("nan")
+
+        def on_train_batch_start(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
+            if trainer.global_step == FIRST_TIMED:
+                _sync()
+                self.start = time.perf_counter()
 
         def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
             self.marks.append((time.perf_counter(), time.thread_time(), _rusage_cpu()))
 
         def on_train_end(self, *args: Any, **kwargs: Any) -> None:
+            _sync()
             self.end = (time.perf_counter(), _rusage_cpu())
 
     class CopyHash(pl.Callback):
@@ -414,9 +490,7 @@ def _child(a: argparse.Namespace) -> None:
     copy_hash: Any = None
     import_cpu, saves, save_steps = 0.0, [], []
     if a.contender.startswith("mc"):
-        from pytorch_lightning.callbacks import ModelCheckpoint
-
-        class TimedModelCheckpoint(ModelCheckpoint):
+        class TimedModelCheckpoint(pl.callbacks.ModelCheckpoint):
             def _save_checkpoint(self, trainer: Any, filepath: str) -> None:
                 save_steps.append(trainer.global_step)
                 cpu = time.thread_time()
@@ -426,54 +500,15 @@ def _child(a: argparse.Namespace) -> None:
         callbacks.append(TimedModelCheckpoint(dirpath=ckdir, every_n_train_steps=a.every, monitor="step",
                                               mode="max", save_top_k=a.keep))
         if a.contender == "mc_async":
-            from pytorch_lightning.plugins.io import AsyncCheckpointIO
-
-            plugins.append(AsyncCheckpointIO())
-    elif a.contender.startswith("ours"):
-        cpu = _rusage_cpu()
-        from lightning_ckpt import AsyncShardedCheckpoint
-        import_cpu = _rusage_cpu() - cpu
-
-        class Recorded(AsyncShardedCheckpoint):
-            """Ours, keeping the figure rows it reports (a memory level's ``figures.jsonl`` goes with its
-            directory at close) and its checkpointer (for the counters after the fit)."""
-
-            def __init__(self, *args: Any, **kwargs: Any) -> None:
-                super().__init__(*args, **kwargs)
-                self.rows: list[dict[str, Any]] = []
-                self.opened: Any = None
-
-            def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-                super().setup(trainer, pl_module, stage)
-                self.opened = self.session.ck
-
-            def _log_figures(self, row: dict[str, Any]) -> None:
-                self.rows.append(dict(row))
-                super()._log_figures(row)
-
-        where: dict[str, Any] = {"dirpath": ckdir}
-        if a.contender in SLOW_DISK or a.slow_at_step:
-            from _slow_storage import SLOW, SlowStorage, throttle
-
-            if a.slow_at_step:  # the disk slows down from that step on
-                from pytorch_lightning.callbacks import LambdaCallback
-
-                callbacks.append(LambdaCallback(on_train_batch_end=lambda trainer, *_: None if SLOW["on"] or
-                                                trainer.global_step < a.slow_at_step else throttle(a.slow_mb_s)))
-            else:
-                throttle(a.disk_mb_s)
-            disk = SlowStorage(ckdir)
-            where = {"dirpath": disk} if a.contender not in MEMORY_LEVEL else \
-                {"levels": [{"kind": "memory", "path": SHM_ROOT, "job": a.mem_job}, disk]}
-        schedule = {"overhead_budget": a.budget} if a.budget else {"every_n_train_steps": a.every}
-        ours = Recorded(**where, **schedule, keep_last=a.keep, pipeline=a.contender == "ours_pipe")
-        callbacks.append(ours)
+            plugins.append(importlib.import_module(f"{PL}.plugins.io").AsyncCheckpointIO())
+    elif a.contender not in ("none", "copy_hash_every1"):
+        import_cpu, ours = _ours(a, ckdir, callbacks)
     elif a.contender == "copy_hash_every1":
         copy_hash = CopyHash()
         callbacks.append(copy_hash)
     pl.seed_everything(a.seed, verbose=False)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=a.steps, callbacks=callbacks,
-                         plugins=plugins or None, logger=False, enable_progress_bar=False,
+    trainer = pl.Trainer(accelerator=a.device, devices=1, precision=a.precision, max_steps=a.steps,
+                         callbacks=callbacks, plugins=plugins or None, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, enable_checkpointing=a.contender.startswith("mc"),
                          limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=a.dir)
     model = _model(a)
@@ -481,8 +516,9 @@ def _child(a: argparse.Namespace) -> None:
     try:
         trainer.fit(model)
     finally:
+        _sync()
         fit_wall, fit_cpu = time.perf_counter() - wall0, _rusage_cpu() - cpu0
-        shm_left = remove_memory(a.mem_job)
+        shm_left = remove_memory(a.shm, a.mem_job)
     figures: list[dict[str, Any]] = ours.rows if ours is not None else []
     rows = [r for r in figures if r.get("kind", "save") == "save" and r["step"] <= a.steps]
     train_cpu = saves if a.contender.startswith("mc") else [r.get("train_cpu_ms", float("nan")) for r in rows]
@@ -493,30 +529,90 @@ def _child(a: argparse.Namespace) -> None:
     elif copy_hash is not None:
         save_steps = list(range(1, len(copy_hash.times) + 1))
         train_cpu = [cpu * 1e3 for _, cpu in copy_hash.times]
-    result = {"process_cpu_s": _rusage_cpu(), "process_wall_s": time.perf_counter() - start,
-              "fit_cpu_s": fit_cpu, "fit_wall_s": fit_wall, "main_cpu_s": time.thread_time(),
-              "threads_cpu_s": _threads_cpu(), "n_ckpt": len(train_cpu), "train_cpu_ms": train_cpu,
-              "figures": figures, "params": sum(p.numel() for p in model.parameters()),
-              "save_steps": save_steps, "marks": marks.marks, "import_cpu_ms": import_cpu * 1e3,
-              "end_wall_s": marks.end[0] - wall0, "end_cpu_s": marks.end[1] - cpu0,
-              "counters": dict(ours.opened.counters) if ours is not None and ours.opened is not None else {},
-              "shm_left": shm_left, "copy_hash": copy_hash.times if copy_hash is not None else []}
-    with open(a.out, "w") as f:
-        json.dump(result, f)
+    ck = ours.opened if ours is not None else None
+    return {"process_cpu_s": _rusage_cpu(), "process_wall_s": time.perf_counter() - start,
+            "fit_cpu_s": fit_cpu, "fit_wall_s": fit_wall, "main_cpu_s": time.thread_time(),
+            "threads_cpu_s": _threads_cpu(), "n_ckpt": len(train_cpu), "train_cpu_ms": train_cpu,
+            "figures": figures, "params": sum(p.numel() for p in model.parameters()),
+            "save_steps": save_steps, "marks": marks.marks, "import_cpu_ms": import_cpu * 1e3,
+            "end_wall_s": marks.end[0] - wall0, "end_cpu_s": marks.end[1] - cpu0,
+            "counters": dict(ck.counters) if ck is not None else {}, "shm_left": shm_left,
+            "copy_hash": copy_hash.times if copy_hash is not None else [], "timed_start_s": marks.start - wall0,
+            "drain_s": ours.ended - marks.end[0] if ours is not None else 0.0,
+            "records": [(r.step, r.stall_s * 1e3, r.bytes) for r in ck.records] if ck is not None else [],
+            "buffers": ours.buffers if ours is not None else [],
+            "allocations": ck._pool.allocations if ck is not None else 0}
+
+
+def _ours(a: argparse.Namespace, ckdir: str, callbacks: list[Any]) -> tuple[float, Any]:
+    """The CPU seconds of importing ours, and our callback as ``a.contender`` configures it, appended to
+    ``callbacks`` (a pacer before it)."""
+    cpu = _rusage_cpu()
+    from lightning_ckpt import AsyncShardedCheckpoint
+    import_cpu = _rusage_cpu() - cpu
+
+    class Recorded(AsyncShardedCheckpoint):
+        """Ours, keeping the figure rows it reports (a memory level's ``figures.jsonl`` goes with its
+        directory at close), its checkpointer (for the counters after the fit), the kinds of its snapshot
+        buffers at the last step but one, and when its ``on_train_end`` (the drain) ended."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.rows: list[dict[str, Any]] = []
+            self.opened: Any = None
+            self.buffers: list[str] = []
+            self.ended = float("nan")
+
+        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            super().setup(trainer, pl_module, stage)
+            self.opened = self.session.ck
+
+        def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
+            super().on_train_batch_end(trainer, *args, **kwargs)
+            if trainer.global_step == trainer.max_steps - 1:
+                self.buffers = sorted({f"{type(b).__name__}{' pinned' if b.pinned else ''}"
+                                       for b in self.opened._pool._free})
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            super().on_train_end(trainer, pl_module)
+            self.ended = time.perf_counter()
+
+        def _log_figures(self, row: dict[str, Any]) -> None:
+            self.rows.append(dict(row))
+            super()._log_figures(row)
+
+    disk: Any = ckdir
+    if a.contender in SLOW_DISK or a.slow_at_step:
+        from _slow_storage import SLOW, SlowStorage, throttle
+
+        if a.slow_at_step:  # the disk slows down from that step on
+            callbacks.append(importlib.import_module(PL).callbacks.LambdaCallback(
+                on_train_batch_end=lambda trainer, *_: None if SLOW["on"] or trainer.global_step < a.slow_at_step
+                else throttle(a.slow_mb_s)))
+        else:
+            throttle(a.disk_mb_s)
+        disk = SlowStorage(ckdir)
+    where = {"levels": [{"kind": "memory", "path": a.shm, "job": a.mem_job}, disk]} if a.contender in MEMORY_LEVEL \
+        else {"dirpath": disk}
+    schedule = {"overhead_budget": a.budget} if a.budget else {"every_n_train_steps": a.every}
+    ours = Recorded(**where, **schedule, keep_last=a.keep, pipeline=a.contender in PIPELINE)
+    callbacks.append(ours)
+    return import_cpu, ours
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description="One Lightning fit under one contender (a benchmark's child).")
-    p.add_argument("--contender", choices=CONTENDERS, required=True)
-    p.add_argument("--model", choices=("transformer", "mlp"), default="transformer")
-    p.add_argument("--out", required=True)
-    p.add_argument("--dir", required=True)
-    p.add_argument("--mem-job", default=f"fit-{os.getpid()}", help="the memory level's job name (below SHM_ROOT)")
-    for name, kind in (("steps", int), ("every", int), ("block", int), ("threads", int), ("keep", int),
-                       ("seed", int), ("slow-at-step", int), ("disk-mb-s", float), ("budget", float),
-                       ("slow-mb-s", float)):
-        p.add_argument(f"--{name}", type=kind, default=0)
-    _child(p.parse_args(argv))
+    p.add_argument("--contender", choices=CONTENDERS + GPU_CONTENDERS, required=True)
+    for name, kind in (("out", str), ("dir", str), ("mem-job", str), ("model", str), ("device", str),
+                       ("precision", str), ("shm", str), ("steps", int), ("every", int), ("block", int),
+                       ("threads", int), ("keep", int), ("seed", int), ("slow-at-step", int), ("disk-mb-s", float),
+                       ("budget", float), ("slow-mb-s", float)):
+        p.add_argument(f"--{name}", type=kind, required=True)
+    a = p.parse_args(argv)
+    _count_thread_cpu()
+    result = _fit(a)
+    with open(a.out, "w") as f:
+        json.dump(result, f)
 
 
 if __name__ == "__main__":

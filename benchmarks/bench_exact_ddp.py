@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +39,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import pct, spawn_ranks, write_report  # noqa: E402
+from _common import git_commit, pct, spawn_ranks, write_report  # noqa: E402
+from _plain_job import mlp, train  # noqa: E402
 
 from ckpt_engine import DDPBucketOrder  # noqa: E402
 
@@ -48,31 +48,11 @@ CONTENDERS = ("defaults", "bucket_order", "find_unused")
 
 
 def make_model(mib: int, depth: int) -> nn.Module:
-    """An MLP of about ``mib`` MiB of float32 parameters in ``depth`` blocks (Linear, LayerNorm, GELU:
-    several DDP buckets; the deeper, the more autograd nodes ``find_unused_parameters`` walks per step)."""
-    width = int((mib * 2**20 / 4 / depth) ** 0.5)
+    """``_plain_job``'s MLP of about ``mib`` MiB of float32 parameters in ``depth`` blocks (Linear, LayerNorm,
+    GELU: several DDP buckets; the deeper, the more autograd nodes ``find_unused_parameters`` walks per
+    step), seed 0."""
     torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.LayerNorm(width), nn.GELU()]
-    return nn.Sequential(*layers, nn.Linear(width, 1))
-
-
-def one_step(ddp: DDP, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
-    opt.zero_grad(set_to_none=True)
-    ddp(x).square().mean().backward()
-    opt.step()
-
-
-def timed_steps(ddp: DDP, opt: torch.optim.Optimizer, x: torch.Tensor, steps: int) -> list[float]:
-    """Seconds of each step (after a barrier, so that every rank starts it together)."""
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        start = time.perf_counter()
-        one_step(ddp, opt, x)
-        times.append(time.perf_counter() - start)
-    return times
+    return mlp(depth, int((mib * 2**20 / 4 / depth) ** 0.5), nn.GELU, head=1)
 
 
 def build(name: str, cfg: Any) -> tuple[nn.Module, DDP, DDPBucketOrder | None]:
@@ -93,7 +73,9 @@ def rank_main(rank: int, world: int, cfg: Any, workdir: str, port: int) -> None:
         for name in CONTENDERS[r % len(CONTENDERS):] + CONTENDERS[:r % len(CONTENDERS)]:
             model, ddp, order = build(name, cfg)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            steps[name].append(timed_steps(ddp, opt, x, cfg.steps))
+            # each step after a barrier, so that every rank starts it together
+            steps[name].append(train(lambda b, m=ddp: m(b).square().mean(), opt, [x], cfg.steps,
+                                     before_step=dist.barrier))
             if order is not None:
                 recorded = order.state_dict()
             del ddp, order
@@ -168,7 +150,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-exact-ddp-") as cfg.dir:
         ranks = spawn_ranks(rank_main, cfg.world, cfg)
     doc = summarize(ranks, warm=2)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_commit()
     doc["run"] = {"date": time.strftime("%Y-%m-%d"), "device": f"CPU, {os.cpu_count()} cores", "commit": commit}
     doc["run_line"] = f"Run {doc['run']['date']}, {doc['run']['device']}, {commit}"
     write_report(cfg.out, cfg.name, render(doc, cfg), {**doc, "config": {k: v for k, v in vars(cfg).items()

@@ -45,7 +45,8 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from _common import CpuLoad, fmt, pct, write_report  # noqa: E402
+from _common import CpuLoad, fmt, git_commit, pct, timed, write_report  # noqa: E402
+from _plain_job import mlp, train  # noqa: E402
 
 CONTENDERS = ("fused", "exact")
 
@@ -60,29 +61,25 @@ def rank_job(a: argparse.Namespace) -> None:
 
     import horovod_ckpt
 
-    init_s, _ = _timed(lambda: horovod_ckpt.init(deterministic_reduction=True) if a.contender == "exact"
+    init_s, _ = timed(lambda: horovod_ckpt.init(deterministic_reduction=True) if a.contender == "exact"
                        else hvd.init())
     torch.manual_seed(0)
-    model = mlp(a.layers, a.width)
+    model = mlp(a.layers, a.width, torch.nn.ReLU)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     ck = horovod_ckpt.HorovodCheckpointer(a.ckpt_dir, model=model, optimizer=optimizer, keep_last=None,
                                           save_on_train_end=a.prepare, save_on_sigterm=False)
-    restore_s, _ = _timed(ck.restore)
+    restore_s, _ = timed(ck.restore)
     g = torch.Generator().manual_seed(hvd.rank())
-    batch = [(torch.randn(a.batch, a.width, generator=g), torch.randn(a.batch, a.width, generator=g))
-             for _ in range(4)]
+    batches = [(torch.randn(a.batch, a.width, generator=g), torch.randn(a.batch, a.width, generator=g))
+               for _ in range(4)]
 
-    def step(i: int) -> None:
-        x, y = batch[i % len(batch)]
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
+    def steps(n: int, first: int = 0) -> list[float]:
+        return train(lambda b: torch.nn.functional.mse_loss(model(b[0]), b[1]), optimizer, batches, n, first)
 
-    first_step_s, _ = _timed(lambda: step(0))
-    for i in range(a.warmup):
-        step(i + 1)
-    times = [_timed(lambda i=i: step(i))[0] for i in range(a.steps)]
+    first_step_s = steps(1)[0]
+    steps(a.warmup, first=1)
+    times = steps(a.steps)
     if a.prepare:
         ck.after_step()
     ck.close()
@@ -92,19 +89,6 @@ def rank_job(a: argparse.Namespace) -> None:
                                        "step_ms": statistics.median(times) * 1e3,
                                        "tensors": len(list(model.parameters())),
                                        "mb": sum(p.numel() for p in model.parameters()) * 4 / 1e6}), flush=True)
-
-
-def mlp(layers: int, width: int) -> Any:
-    """``layers`` blocks of ``Linear(width, width)`` + ``LayerNorm(width)`` + ReLU."""
-    import torch.nn as nn
-
-    return nn.Sequential(*(m for _ in range(layers) for m in (nn.Linear(width, width), nn.LayerNorm(width), nn.ReLU())))
-
-
-def _timed(fn: Any) -> tuple[float, Any]:
-    start = time.perf_counter()
-    value = fn()
-    return time.perf_counter() - start, value
 
 
 # ---- the driver ----------------------------------------------------------------------------------------
@@ -192,10 +176,10 @@ def run_line() -> str:
     import horovod
     import torch
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    commit = git_commit()
     return (f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()}-core {platform.machine()} "
             f"VM shared with other work (torch {torch.__version__}, Horovod {horovod.__version__}, Gloo), "
-            f"commit {commit.strip() or '?'}.")
+            f"commit {commit or '?'}.")
 
 
 def parse_shapes(text: str) -> list[Shape]:

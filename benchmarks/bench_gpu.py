@@ -5,8 +5,9 @@ Per state size (on the GPU), each contender's ``stall`` (the call), ``mutable`` 
 change), ``gpu_delay`` (how much later a fixed matmul workload queued right after the call, behind a
 short spin kernel, ends on the GPU than without a save; ``control``: the same pair of sequences without
 a save in the same repetition, the figure's own bias) and ``durable``; limits: a device-to-host
-``copy_`` into pinned memory and a raw write of it. Then a GPT-2-small-sized model trained with ours
-and DCP ``async_save``. ``--tiny``: a few MiB and a 2-layer model, on CPU without CUDA (tests/test_gpu.py).
+``copy_`` into pinned memory and a raw write of it. Then a GPT-2-small-sized model (``_plain_job``)
+trained with ours and DCP ``async_save``. The peers are ``bench_save``'s (``_peers``), on the device.
+``--tiny``: a few MiB and a 2-layer model, on CPU without CUDA (tests/test_gpu.py).
 
     PYTHONPATH=. python3 benchmarks/bench_gpu.py --sizes-gib 1 4 16 --out benchmarks/out
     PYTHONPATH=. python3 benchmarks/bench_gpu.py --tiny
@@ -17,7 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import inspect
 import json
 import math
 import os
@@ -30,18 +30,18 @@ import warnings
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
-from _common import fsync_path, gbps, saved_bytes, state_bytes, write_fsync  # noqa: E402
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
+import _peers  # noqa: E402
+from _common import best_of, gbps, saved_bytes, state_bytes, write_fsync  # noqa: E402
+from _plain_job import GPT, train  # noqa: E402
 
 from ckpt_engine import Checkpointer  # noqa: E402
 from ckpt_engine.config import CheckpointConfig  # noqa: E402
+from ckpt_engine.state.values import encode  # noqa: E402
 from ckpt_engine.training.policy import EveryNSteps  # noqa: E402
 from ckpt_engine.training.schedule import Schedule  # noqa: E402
-from ckpt_engine.state.values import encode  # noqa: E402
 
 GiB, MiB = 1 << 30, 1 << 20
 warnings.filterwarnings("ignore")
@@ -60,6 +60,7 @@ def sync() -> None:
 
 
 def free_memory() -> None:
+    """Collect garbage and hand the device's and the pinned host cache back."""
     gc.collect()
     if CUDA:
         torch.cuda.synchronize()
@@ -169,20 +170,14 @@ class Timeline:
 
 # ---- physical limits ----------------------------------------------------------------------------------
 def limits(nbytes: int, workdir: str, reps: int, buffered: bool) -> dict[str, float]:
+    """The fastest device-to-host ``copy_`` of ``nbytes`` into pinned memory, and :func:`raw_write` of it."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=DEV)
     src.random_(0, 255)
     dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=CUDA)
     dst.fill_(0)  # first touch outside the timing
-    times = []
-    for _ in range(reps):
-        sync()
-        t = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        sync()
-        times.append(time.perf_counter() - t)
-    out = {"d2h_s": min(times), "d2h_gbps": gbps(nbytes, min(times))}
-    out.update(raw_write(dst, workdir, reps, buffered))
-    del src, dst
+    d2h = best_of(reps, lambda: (dst.copy_(src, non_blocking=True), sync()), before=sync)
+    out = {"d2h_s": d2h, "d2h_gbps": gbps(nbytes, d2h), **raw_write(dst, workdir, reps, buffered)}
+    src = dst = None  # drop the references before free_memory() (not del: the lambda above reads them)
     free_memory()
     return out
 
@@ -192,23 +187,14 @@ def raw_write(host: torch.Tensor, workdir: str, reps: int, buffered: bool) -> di
     into ``workdir``: ``O_DIRECT`` when ``host`` is page-aligned, also through the page cache with
     ``buffered`` (``raw_direct_s``, ``raw_buffered_s``); ``raw_write_s`` and ``raw_write_gbps`` the best."""
     out: dict[str, float] = {}
-    view = memoryview(host.numpy())
-    path = os.path.join(workdir, "raw.bin")
+    view, path = memoryview(host.numpy()), os.path.join(workdir, "raw.bin")
     kinds = [("direct", True)] if host.data_ptr() % 4096 == 0 and hasattr(os, "O_DIRECT") else []
-    kinds += [("buffered", False)] if buffered or not kinds else []
-    for kind, direct in kinds:
-        best = float("inf")
-        for _ in range(max(1, reps - 1)):
-            t = time.perf_counter()
-            try:
-                write_fsync(path, [view], direct=direct)
-            except OSError as e:  # a filesystem that refuses O_DIRECT
-                out[f"raw_{kind}_error"] = str(e)
-                break
-            best = min(best, time.perf_counter() - t)
-            os.unlink(path)
-        if best < float("inf"):
-            out[f"raw_{kind}_s"] = best
+    for kind, direct in kinds + ([("buffered", False)] if buffered or not kinds else []):
+        try:
+            out[f"raw_{kind}_s"] = best_of(max(1, reps - 1), lambda: write_fsync(path, [view], direct=direct),
+                                           before=lambda: os.path.exists(path) and os.unlink(path))
+        except OSError as e:  # a filesystem that refuses O_DIRECT
+            out[f"raw_{kind}_error"] = str(e)
     if os.path.exists(path):
         os.unlink(path)
     raw = min(v for k, v in out.items() if k.startswith("raw_") and k.endswith("_s"))
@@ -244,83 +230,46 @@ class Ours:
 
 class Dcp:
     """DCP ``async_save``: ``pinned=None`` its default stager (a synchronous copy into pageable
-    memory); ``"fresh"`` a new ``DefaultStager(pinned, async staging)`` per save; ``"cached"`` one
-    stager whose pinned copies are reused across saves (see :func:`_reusable_stager`)."""
+    memory); ``"fresh"`` a new pinned ``DefaultStager`` per save; ``"cached"`` one pinned stager whose
+    copies are reused across saves (:func:`_peers.dcp_stager`)."""
 
     def __init__(self, state: Any, root: str, pinned: str | None) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        self.dcp, self.root, self.pinned, self.stager, self.setup_s = dcp, root, pinned, None, 0.0
-        self.kw = {"no_dist": True} if "no_dist" in inspect.signature(dcp.async_save).parameters else {}
+        self.root, self.pinned, self.stager, self.setup_s = root, pinned, None, 0.0
         if pinned == "cached":
-            self.stager = _reusable_stager()
+            self.stager = _peers.dcp_stager(pinned=True, keep_copies=True)
             t = time.perf_counter()
             staged = self.stager.stage(state)  # pin and fill its copies now, as ours' reserve() does
             staged.result() if hasattr(staged, "result") else None
             self.setup_s = time.perf_counter() - t
 
     def save(self, state: Any, i: int) -> tuple[Callable[[], None] | None, Callable[[], dict]]:
-        path = os.path.join(self.root, f"dcp-{i}")
-        stager = _pinned_stager() if self.pinned == "fresh" else self.stager
-        kw = dict(self.kw, async_stager=stager) if stager is not None else self.kw
-        resp = self.dcp.async_save(state, checkpoint_id=path, **kw)
-        staging = getattr(resp, "staging_completion", None)
-        upload = getattr(resp, "upload_completion", resp)
+        stager = _peers.dcp_stager(pinned=True) if self.pinned == "fresh" else self.stager
+        staged, upload = _peers.dcp_async(state, os.path.join(self.root, f"dcp-{i}"),
+                                          **({"async_stager": stager} if stager is not None else {}))
 
         def durable() -> dict:
-            upload.result()
+            upload()
             if self.pinned == "fresh":
                 stager.close()
             return {}
 
-        return (staging.result if staging is not None else None), durable
+        return staged, durable
 
     def close(self) -> None:
         if self.stager is not None:
-            inner = self.stager._state_dict_stager
-            type(inner).close(inner)
-            self.stager.close()
-
-
-def _pinned_stager() -> Any:
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=True,
-                                        use_non_blocking_copy=True))
-
-
-def _reusable_stager() -> Any:
-    """A pinned ``DefaultStager`` whose cached pinned copies survive between saves.
-
-    In torch 2.11 ``DefaultStager._stage`` closes its ``StateDictStager`` after every stage, which
-    drops the pinned cache and clears its deepcopy dispatch table, so a reused stager fails on the
-    next save with ``KeyError: <class 'type'>`` (any dict reaches that branch once the table is
-    empty). The inner ``close`` is disabled here (restored in ``Dcp.close``): DCP as designed.
-    """
-    stager = _pinned_stager()
-    stager._state_dict_stager.close = lambda: None
-    return stager
+            _peers.close_stager(self.stager)
 
 
 class LightningAsync:
+    """``AsyncCheckpointIO``, a new one per save (``_peers.LightningAsync``)."""
+
     def __init__(self, state: Any, root: str) -> None:
-        try:
-            from pytorch_lightning.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
-        except ImportError:
-            from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
-        self.make = lambda: AsyncCheckpointIO(TorchCheckpointIO())
         self.root, self.setup_s = root, 0.0
 
     def save(self, state: Any, i: int) -> tuple[Callable[[], None] | None, Callable[[], dict]]:
-        io, path = self.make(), os.path.join(self.root, f"lightning-{i}.ckpt")
-        io.save_checkpoint(state, path)
-
-        def durable() -> dict:
-            io.teardown()
-            fsync_path(path)
-            return {}
-
-        return None, durable
+        io = _peers.LightningAsync(os.path.join(self.root, f"lightning-{i}.ckpt"))
+        io.save(state)
+        return None, lambda: (io.durable(), {})[1]
 
     def close(self) -> None:
         pass
@@ -450,40 +399,9 @@ def label(size_gib: float) -> str:
 
 
 # ---- GPT-2 small training overhead ----------------------------------------------------------------------
-class Block(torch.nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
-        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
-        self.fc, self.out = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(torch.nn.Module):
-    def __init__(self, vocab: int, seq: int, d: int, layers: int, heads: int) -> None:
-        super().__init__()
-        self.wte, self.wpe = torch.nn.Embedding(vocab, d), torch.nn.Embedding(seq, d)
-        self.blocks = torch.nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln = torch.nn.LayerNorm(d)
-        self.head = torch.nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.wte.weight  # tied, as GPT-2
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
-        for blk in self.blocks:
-            x = blk(x)
-        logits = self.head(self.ln(x))
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-
 class Trainer:
+    """``_plain_job``'s GPT-2-small-sized model (2 layers with ``tiny``), fused AdamW, 8 batches on DEV."""
+
     def __init__(self, tiny: bool) -> None:
         vocab, seq, d, layers, heads, batch = (512, 64, 64, 2, 4, 4) if tiny else (50257, 1024, 768, 12, 12, 16)
         torch.manual_seed(0)
@@ -497,22 +415,17 @@ class Trainer:
     def state(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "step": self.step}
 
-    def loop(self, steps: int, before_opt: Callable[[], None] = lambda: None,
-             after: Callable[[int], None] = lambda s: None) -> float:
-        """Seconds per step over ``steps`` steps (``loss.item()`` each step, as a logging loop does)."""
+    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        with torch.autocast(DEV.type, dtype=torch.bfloat16, enabled=CUDA):  # CPU bf16 is slow
+            return self.model(*batch)
+
+    def loop(self, steps: int, before_opt: Callable[[], None] | None = None,
+             after: Callable[[int], None] | None = None) -> float:
+        """Seconds per step over ``steps`` steps of :func:`_plain_job.train`, the device synchronized."""
         sync()
         t = time.perf_counter()
-        for _ in range(steps):
-            x, y = self.data[self.step % len(self.data)]
-            with torch.autocast(DEV.type, dtype=torch.bfloat16, enabled=CUDA):  # CPU bf16 is slow
-                loss = self.model(x, y)
-            loss.backward()
-            before_opt()
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-            loss.item()
-            self.step += 1
-            after(self.step)
+        train(self.loss, self.opt, self.data, steps, self.step, before_opt=before_opt, after=after)
+        self.step += steps
         sync()
         return (time.perf_counter() - t) / steps
 
@@ -533,8 +446,7 @@ def train_ours(tr: Trainer, root: str, steps: int, policy: Any, defer: bool = Fa
     def after(step: int) -> None:
         if sched.should_save(step):
             handle = ck.save(tr.state(), step, defer=defer)
-            if defer:
-                pending.append(handle)
+            pending.extend([handle] if defer else [])
             sched.saved(step)
             taken.append(step)
 

@@ -30,10 +30,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _peers  # noqa: E402
 from _common import (HERE, MemProbe, Metrics, MiB, RankCtx, RawWriter, StateSpec, best_of, byte_view,  # noqa: E402
-                     empty_like_state, fsync_path, gbps, make_state, num, numbered, peer_rounds, read_into,
-                     run_stages, set_page_cache, share_slices, slowest, spawn_ranks, state_bytes, states_equal,
-                     steady_figures, timed, timed_save, verdict, write_report)
+                     gbps, make_state, num, numbered, peer_rounds, read_into, run_stages, set_page_cache,
+                     share_slices, slowest, spawn_ranks, state_bytes, states_equal, steady_figures, synchronous,
+                     timed, timed_save, verdict, write_report)
 from _levels import bench_levels  # noqa: E402
 from ckpt_engine.host import hugepages  # noqa: E402
 
@@ -310,75 +311,39 @@ def bench_routes(ctx: RankCtx) -> Metrics:
 
 
 # ---- the peers ---------------------------------------------------------------------------------------
-def _saved(ctx: RankCtx, save: Callable[[], Any], rank0: bool = False) -> Metrics:
-    """One save of a peer: its stall = time to durable, and peak RSS (on rank 0 only with ``rank0``)."""
-    ctx.barrier()
-    if rank0 and ctx.rank:
-        return {}
-    probe = MemProbe().start(trim=ctx.cold)
-    seconds = timed(save)[0]
-    return {"stall_s": seconds, "total_s": seconds, "mem_extra_bytes": probe.peak_extra()}
-
-
 def bench_torch_save(ctx: RankCtx) -> Metrics:
     """``torch.save`` + ``fsync`` on rank 0 (it writes everything); ``torch.load`` on every rank."""
-    def one(path: str) -> Metrics:
-        def save() -> None:
-            with open(path, "wb") as f:
-                torch.save(ctx.state, f)
-                f.flush()
-                os.fsync(f.fileno())
-
-        return {**_saved(ctx, save, rank0=True),
-                **cold_and_warm_loads(ctx, [path], lambda: torch.load(path, weights_only=True))}
-
-    return peer_rounds(ctx, "torch.pt", one)
+    return peer_rounds(ctx, "torch.pt", lambda path: synchronous(lambda: _peers.torch_save(ctx.state, path)),
+                       lambda path: cold_and_warm_loads(ctx, [path], lambda: torch.load(path, weights_only=True)),
+                       rank0=True)
 
 
 def bench_lightning(ctx: RankCtx) -> Metrics:
     """``AsyncCheckpointIO(TorchCheckpointIO())`` on rank 0, as Lightning saves under DDP: the stall is
     the ``save_checkpoint`` call (it clones every tensor), the total adds ``teardown()`` and an ``fsync``
     (Lightning does not sync; ``fsync_s`` apart)."""
-    def one(path: str) -> Metrics:
-        ctx.barrier()
-        if ctx.rank:
-            return {}
-        from pytorch_lightning.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+    def save(path: str) -> Metrics:
+        io = _peers.LightningAsync(path)
+        stall = timed(lambda: io.save(ctx.state))[0]
+        rest, fsync_s = timed(io.durable)
+        return {"stall_s": stall, "fsync_s": fsync_s, "total_s": stall + rest}
 
-        io, probe = AsyncCheckpointIO(TorchCheckpointIO()), MemProbe().start(trim=ctx.cold)
-        out = {"stall_s": timed(lambda: io.save_checkpoint(ctx.state, path))[0]}
-        teardown_s = timed(io.teardown)[0]
-        out["fsync_s"] = timed(lambda: fsync_path(path))[0]
-        return {**out, "total_s": out["stall_s"] + teardown_s + out["fsync_s"], "mem_extra_bytes": probe.peak_extra()}
-
-    return peer_rounds(ctx, "lightning.ckpt", one)
+    return peer_rounds(ctx, "lightning.ckpt", save, rank0=True)
 
 
 def bench_dcp_save(ctx: RankCtx) -> Metrics:
     """``torch.distributed.checkpoint.save`` (synchronous, every rank) and ``load`` into fresh tensors."""
-    import torch.distributed.checkpoint as dcp
-
-    def load(path: str) -> Any:
-        target = empty_like_state(ctx.state)
-        dcp.load(target, checkpoint_id=path)
-        return target
-
-    return peer_rounds(ctx, "dcp-sync", lambda path: {
-        **_saved(ctx, lambda: dcp.save(ctx.state, checkpoint_id=path)),
-        **cold_and_warm_loads(ctx, [path], lambda: load(path))})
+    return peer_rounds(ctx, "dcp-sync", lambda path: synchronous(lambda: _peers.dcp_save(ctx.state, path)),
+                       lambda path: cold_and_warm_loads(ctx, [path], lambda: _peers.dcp_load(ctx.state, path)))
 
 
 def bench_dcp_async(ctx: RankCtx) -> Metrics:
     """``dcp.async_save``: stall until the future is returned, total until it resolves."""
-    import torch.distributed.checkpoint as dcp
+    def save(path: str) -> Metrics:
+        stall, (_, durable) = timed(lambda: _peers.dcp_async(ctx.state, path))
+        return {"stall_s": stall, "total_s": stall + timed(durable)[0]}
 
-    def one(path: str) -> Metrics:
-        ctx.barrier()
-        probe = MemProbe().start(trim=ctx.cold)
-        stall, future = timed(lambda: dcp.async_save(ctx.state, checkpoint_id=path))
-        return {"stall_s": stall, "total_s": stall + timed(future.result)[0], "mem_extra_bytes": probe.peak_extra()}
-
-    return peer_rounds(ctx, "dcp-async", one)
+    return peer_rounds(ctx, "dcp-async", save)
 
 
 # ---- rows and targets --------------------------------------------------------------------------------

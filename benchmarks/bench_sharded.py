@@ -30,9 +30,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _peers  # noqa: E402
 from _common import (HERE, CpuLoad, MemProbe, Metrics, MiB, RankCtx, RawWriter, best_rounds, byte_view,  # noqa: E402
                      num, numbered, peer_rounds, run_stages, set_page_cache, slowest, spawn_ranks, steady_figures,
-                     tensors_of, timed, timed_save, verdict, write_report)
+                     synchronous, tensors_of, timed, timed_save, verdict, write_report)
 
 PEERS = {"lightning": "Lightning ModelParallelStrategy save (its calls)", "dcp_save": "DCP save",
          "dcp_async": "DCP async_save", "dcp_async_stager": "DCP async_save, reused DefaultStager",
@@ -223,31 +224,11 @@ def bench_restore(r: Rank) -> dict[str, Metrics]:
 
 
 # ---- the peers ---------------------------------------------------------------------------------------
-def _rounds(r: Rank, stem: str, one_save: Callable[[str], Metrics]) -> Metrics:
-    """The peer's rounds (``peer_rounds``), each between barriers with its peak RSS."""
-    def one(path: str) -> Metrics:
-        r.ctx.barrier()
-        probe = MemProbe().start(trim=r.ctx.cold)
-        return {**one_save(path), "mem_extra_bytes": probe.peak_extra()}
-
-    return peer_rounds(r.ctx, stem, one)
-
-
-def _sync(save: Callable[[], Any]) -> Metrics:
-    total = timed(save)[0]
-    return {"stall_s": total, "mutable_s": total, "total_s": total}
-
-
 def _async_round(r: Rank, path: str, **kwargs: Any) -> Metrics:
     """One ``async_save``: the call (stall), until the state may change (staging done), until durable."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
-
-    stall, res = timed(lambda: dcp.async_save(r.ctx.state, checkpoint_id=path, **kwargs))
-    if isinstance(res, AsyncSaveResponse):
-        mutable = stall + timed(res.staging_completion.result)[0]
-        return {"stall_s": stall, "mutable_s": mutable, "total_s": mutable + timed(res.upload_completion.result)[0]}
-    return {"stall_s": stall, "mutable_s": stall, "total_s": stall + timed(res.result)[0]}
+    stall, (staged, durable) = timed(lambda: _peers.dcp_async(r.ctx.state, path, **kwargs))
+    mutable = stall + (timed(staged)[0] if staged is not None else 0.0)
+    return {"stall_s": stall, "mutable_s": mutable, "total_s": mutable + timed(durable)[0]}
 
 
 def bench_lightning(r: Rank) -> Metrics:
@@ -267,40 +248,34 @@ def bench_lightning(r: Rank) -> Metrics:
         if r.ctx.rank == 0:
             torch.save({"epoch": 0, "global_step": 1, "loops": {}, "callbacks": {}}, os.path.join(path, "meta.pt"))
 
-    return _rounds(r, "lightning", lambda path: _sync(lambda: save(path)))
+    return peer_rounds(r.ctx, "lightning", lambda path: synchronous(lambda: save(path)))
 
 
 def bench_dcp_save(r: Rank) -> Metrics:
     """``dcp.save``: synchronous, every file ``fsync``ed (``FileSystemWriter(sync_files=True)``)."""
-    import torch.distributed.checkpoint as dcp
-
-    return _rounds(r, "dcp-sync", lambda path: _sync(lambda: dcp.save(r.ctx.state, checkpoint_id=path)))
+    return peer_rounds(r.ctx, "dcp-sync", lambda path: synchronous(lambda: _peers.dcp_save(r.ctx.state, path)))
 
 
 def bench_dcp_async(r: Rank) -> Metrics:
     """``async_save`` as shipped: its default stager copies the state on the caller's thread."""
-    return _rounds(r, "dcp-async", lambda path: _async_round(r, path))
+    return peer_rounds(r.ctx, "dcp-async", lambda path: _async_round(r, path))
 
 
 def bench_dcp_async_stager(r: Rank) -> Metrics:
     """``async_save`` with one ``DefaultStager`` kept across saves, staging on a background thread (pinned
     memory and non-blocking copies only where CUDA exists)."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    cuda = torch.cuda.is_available()
-    stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
-                                          use_non_blocking_copy=cuda))
+    stager = _peers.dcp_stager(pinned=torch.cuda.is_available())
     try:
-        return _rounds(r, "dcp-stager", lambda path: _async_round(r, path, async_stager=stager))
+        return peer_rounds(r.ctx, "dcp-stager", lambda path: _async_round(r, path, async_stager=stager))
     finally:
-        stager.close()
+        _peers.close_stager(stager)
 
 
 def bench_dcp_async_process(r: Rank) -> Metrics:
     """``async_save(async_checkpointer_type=PROCESS)``: a checkpoint daemon process per rank writes."""
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-    return _rounds(r, "dcp-process",
+    return peer_rounds(r.ctx, "dcp-process",
                    lambda path: _async_round(r, path, async_checkpointer_type=AsyncCheckpointerType.PROCESS))
 
 
