@@ -7,6 +7,7 @@ its huge-page allocator and its encoder).
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import fcntl
 import gc
@@ -146,6 +147,32 @@ def verdict(ok: bool | None) -> str:
 def gbps(nbytes: int, seconds: float) -> float:
     """Throughput in GB/s (10^9 bytes per second); 0 for a zero time."""
     return nbytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+def md_row(cells: Iterable[Any]) -> str:
+    """One line of a Markdown table: each cell through ``str``, an empty one as ``| |``."""
+    return "|" + "".join(f" {c} |" if str(c) else " |" for c in cells)
+
+
+def table(header: Sequence[str], rows: Iterable[Iterable[Any]], rule: str | None = None) -> list[str]:
+    """A Markdown table's lines: ``header``, its rule (``rule``, else ``|---|`` per column), one per row."""
+    return [md_row(header), rule or "|---" * len(header) + "|", *(md_row(r) for r in rows)]
+
+
+def parser(doc: str | None, scratch: str | None = "", quiet: bool = False) -> argparse.ArgumentParser:
+    """A benchmark's command line with the usual flags: the first paragraph of ``doc`` as description,
+    ``--out`` (the report's directory, default ``benchmarks/out``), ``--dir`` unless ``scratch`` is ``""``
+    (the scratch directory; ``None``: a temporary one, else a fresh one is made inside it), and ``--quiet``
+    (wait a little for other processes to use fewer cores)."""
+    p = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+    p.add_argument("--out", default=os.path.join(HERE, "out"), help="report directory (default benchmarks/out)")
+    if scratch is None:
+        p.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
+    elif scratch:
+        p.add_argument("--dir", default=scratch, help=f"a fresh scratch directory is made in it (default {scratch})")
+    if quiet:
+        p.add_argument("--quiet", type=float, default=0.3, help="wait a little for other processes to use fewer cores")
+    return p
 
 
 def write_report(out: str, name: str, text: str, doc: dict[str, Any]) -> str:

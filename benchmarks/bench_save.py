@@ -13,14 +13,17 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import ctypes
+import importlib
 import os
 import resource
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
+import time
+import uuid
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -33,9 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _peers  # noqa: E402
 from _common import (HERE, MemProbe, Metrics, MiB, RankCtx, RawWriter, StateSpec, best_of, byte_view,  # noqa: E402
                      gbps, make_state, num, numbered, peer_rounds, read_into, run_stages, set_page_cache,
-                     share_slices, slowest, spawn_ranks, state_bytes, states_equal, steady_figures, synchronous,
-                     timed, timed_save, verdict, write_report)
-from _levels import bench_levels  # noqa: E402
+                     parser, share_slices, slowest, spawn_ranks, state_bytes, states_equal, steady_figures,
+                     synchronous, table, timed, timed_save, verdict, write_report)
 from ckpt_engine.host import hugepages  # noqa: E402
 
 KEEP_LAST = 1
@@ -522,30 +524,112 @@ def markdown(rows: list[Row], worlds: dict[int, dict[str, Any]], config: dict[st
     """The headline table, then every contender's raw figures per world size."""
     lines = [f"# bench_save: {config['size_mib']} MiB state, {config['cpu_count']} cores, torch {config['torch']}",
              "", "Slowest rank of each world size; the method, limits and targets: benchmarks/README.md.", "",
-             "| ranks | metric | unit | ours | physical limit | ours ÷ limit | best peer | ours ÷ best peer "
-             "| target | result |", "|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r.world} | {r.metric} | {r.unit} | {num(r.ours)} | {r.limit_name}: {num(r.limit)} "
-              f"| {num(r.vs_limit)} | {r.peer_name}: {num(r.peer)} | {num(r.vs_peer)} | {r.target} "
-              f"| {verdict(r.passed)} |" for r in rows]
-    lines += ["", "| ranks | contender | stall ms | to durable s | restore s (cold) | restore s (warm) "
-              "| extra RSS MiB | restore bit-exact |", "|---|---|---|---|---|---|---|---|"]
+             *table(["ranks", "metric", "unit", "ours", "physical limit", "ours ÷ limit", "best peer",
+                     "ours ÷ best peer", "target", "result"],
+                    [[r.world, r.metric, r.unit, num(r.ours), f"{r.limit_name}: {num(r.limit)}", num(r.vs_limit),
+                      f"{r.peer_name}: {num(r.peer)}", num(r.vs_peer), r.target, verdict(r.passed)] for r in rows]),
+             ""]
+    cells = []
     for w, res in worlds.items():
         for name in ORDER:
             m = res["slowest"].get(name, {})
-            ok = {1.0: "yes", 0.0: "NO"}.get(m.get("load_ok", -1), "-")
-            lines.append(f"| {w} | {name} | {num(m['stall_s'] * 1e3 if 'stall_s' in m else None)} "
-                         f"| {num(m.get('total_s'))} | {num(m.get('load_s'))} | {num(m.get('load_warm_s'))} "
-                         f"| {num(m['mem_extra_bytes'] / MiB if 'mem_extra_bytes' in m else None)} | {ok} |")
+            cells.append([w, name, num(m["stall_s"] * 1e3 if "stall_s" in m else None), num(m.get("total_s")),
+                          num(m.get("load_s")), num(m.get("load_warm_s")),
+                          num(m["mem_extra_bytes"] / MiB if "mem_extra_bytes" in m else None),
+                          {1.0: "yes", 0.0: "NO"}.get(m.get("load_ok", -1), "-")])
             if "load_fresh_s" in m:
-                lines.append(f"| {w} | {name} (into fresh buffer) | - | - | {num(m['load_fresh_s'])} "
-                             f"| {num(m.get('load_fresh_warm_s'))} | - | - |")
-            lines += [f"| {w} | {name} restore(), route {route} | - | - | {num(m[f'restore_{route}_s'])} | - | - | - |"
+                cells.append([w, f"{name} (into fresh buffer)", "-", "-", num(m["load_fresh_s"]),
+                              num(m.get("load_fresh_warm_s")), "-", "-"])
+            cells += [[w, f"{name} restore(), route {route}", "-", "-", num(m[f"restore_{route}_s"]), "-", "-", "-"]
                       for route in ("read", "exchange", "auto") if f"restore_{route}_s" in m]
+    lines += table(["ranks", "contender", "stall ms", "to durable s", "restore s (cold)", "restore s (warm)",
+                    "extra RSS MiB", "restore bit-exact"], cells)
     return "\n".join(lines) + "\n"
 
 
 def _finite(x: float) -> float | None:
     return x if x == x and abs(x) != float("inf") else None
+
+
+# ---- the multi-level section (S3 = moto) ---------------------------------------------------------
+def _level_saves(ck: Any, state: dict, reps: int, beside: Any = None) -> dict[str, Any]:
+    """``reps`` saves after a first one (which allocates the buffer, left out); ``beside``: run in a thread
+    started just before each save and joined after it."""
+    stalls, durable = [], []
+    for step in range(reps + 1):
+        thread = threading.Thread(target=beside) if beside is not None and step else None
+        if thread is not None:
+            thread.start()
+            time.sleep(0.05)
+        start = time.perf_counter()
+        ck.save(state, step)
+        stall = time.perf_counter() - start
+        ck.wait()
+        if thread is not None:
+            thread.join()
+        if step:
+            stalls.append(stall)
+            durable.append(time.perf_counter() - start)
+        ck.wait(retention=True)  # untimed: the next save does not run beside this one's retention
+    out: dict[str, Any] = {"stall_s": statistics.median(stalls), "durable_s": statistics.median(durable),
+                           "stalls": stalls, "durables": durable}
+    if ck.levels[1:]:
+        ck.wait(flush=True)
+        flushed = [r for r in ck.flush_records if r.committed and r.step > 0]
+        out.update(l2_durable_s=statistics.median(r.durable_s for r in flushed) if flushed else float("nan"),
+                   l2_lag_s=statistics.median(r.lag_s for r in flushed) if flushed else float("nan"),
+                   **{k: ck.counters[k] for k in ("flushed", "flush_skipped", "flush_bytes")})
+    ck.close()
+    return out
+
+
+def bench_levels(size_mib: int, reps: int, workdir: str) -> tuple[dict[str, Any], str]:
+    """The multi-level section, one process: ``s3 direct``, ``local only``, ``local only + raw upload`` (an
+    s3fs upload of the same bytes beside each save) and ``local + s3`` (two levels), back to back. Figures
+    and a Markdown report; none and a note when moto is not installed."""
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+    try:
+        importlib.import_module("moto.server")
+        import s3server
+    except ImportError as e:
+        return {}, f"multi-level section skipped: {e} (install the test extra: pip install 'ckpt-suite[test]')"
+    from ckpt_engine import Checkpointer
+    from ckpt_engine.storage import Storage
+
+    state = make_state(StateSpec(size_mib))
+    server = s3server.start()
+    saved_env = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
+    s3server.make_bucket(server, "bench")
+    run = uuid.uuid4().hex[:8]
+    raw, data = Storage(f"s3://bench/raw-{run}"), bytes(state_bytes(state))
+    try:
+        with tempfile.TemporaryDirectory(dir=workdir) as local:
+            rows = {"s3 direct": _level_saves(Checkpointer(f"s3://bench/direct-{run}", keep_last=1), state, reps),
+                    "local only": _level_saves(Checkpointer(os.path.join(local, "one"), keep_last=1), state, reps),
+                    "local only + raw upload": _level_saves(Checkpointer(os.path.join(local, "ref"), keep_last=1), state,
+                                                    reps, lambda: raw.write_stream("raw.bin", [data])),
+                    "local + s3": _level_saves(Checkpointer(levels=[os.path.join(local, "l1"), f"s3://bench/l2-{run}"],
+                                                    keep_last=1), state, reps)}
+    finally:
+        server.stop()
+        for k, v in saved_env.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    direct, one, two, ref = rows["s3 direct"], rows["local only"], rows["local + s3"], rows["local only + raw upload"]
+    lines = [f"## Multi-level: {size_mib} MiB, 1 process, median of {reps} saves (S3 = moto on loopback)", "",
+             *table(["set-up", "stall ms", "durable on level 1 s", "durable on S3 s"], [
+                 ["s3 direct", f"{direct['stall_s'] * 1e3:.1f}", "", f"{direct['durable_s']:.3f}"],
+                 ["local only", f"{one['stall_s'] * 1e3:.1f}", f"{one['durable_s']:.3f}", ""],
+                 ["local only + raw upload beside", f"{ref['stall_s'] * 1e3:.1f}", f"{ref['durable_s']:.3f}", ""],
+                 ["local + s3", f"{two['stall_s'] * 1e3:.1f}", f"{two['durable_s']:.3f}", f"{two['l2_durable_s']:.3f} "
+                  f"(flushed {two['flushed']}, skipped {two['flush_skipped']})"]]), "",
+             f"- time to durable, level 1 ÷ straight to S3: **{two['durable_s'] / direct['durable_s']:.3f}**",
+             f"- training-side stall, two levels ÷ one level: **{two['stall_s'] / one['stall_s']:.2f}**; "
+             f"÷ one level with a raw upload beside (the same contention, without our code): "
+             f"**{two['stall_s'] / ref['stall_s']:.2f}**",
+             f"- time to durable on S3 through level 1 ÷ straight: {two['l2_durable_s'] / direct['durable_s']:.2f} "
+             "(includes waiting behind the previous flush)"]
+    return rows, "\n".join(lines)
 
 
 # ---- processes ---------------------------------------------------------------------------------------
@@ -565,10 +649,8 @@ def rank_main(rank: int, world: int, cfg: Config, workdir: str, port: int) -> No
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__, scratch="/tmp")
     p.add_argument("--size-mib", type=int, default=1024, help="state size in MiB (default 1024)")
-    p.add_argument("--out", default=os.path.join(HERE, "out"), help="report directory (default benchmarks/out)")
-    p.add_argument("--dir", default="/tmp", help="a fresh temp dir for the checkpoints is made inside it")
     p.add_argument("--reps", type=int, default=3, help="saves of ours per world size (default 3)")
     p.add_argument("--peer-reps", type=int, default=2, help="rounds of each peer, best kept (default 2)")
     p.add_argument("--worlds", default="1,2", help="rank counts to run, or none (default 1,2)")
