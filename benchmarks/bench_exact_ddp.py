@@ -1,17 +1,8 @@
 """What exact resume under DDP costs: ``DDPBucketOrder`` against DDP's defaults and against
 ``find_unused_parameters=True``, on 4 gloo ranks (CPU), in paired alternating rounds.
 
-Contenders, each a fresh model and DDP per round, the same data:
-
-* ``defaults``: ``DDP(model)``, not exact after a restart on more than 2 ranks (the baseline);
-* ``bucket_order``: ``DDP(model)`` + :class:`ckpt_engine.DDPBucketOrder` (records during the first
-  backward, then removes its hooks; after a restart, one zero-valued warm-up step);
-* ``find_unused``: ``DDP(model, find_unused_parameters=True)``, exact because DDP never rebuilds its
-  buckets, at the price of a graph traversal per step.
-
-Figures: per-step time (steps 3.., the slowest rank per step, median over the round), each contender's
-per-round difference from ``defaults`` (median, mean ± standard error over the rounds) and the restart:
-the time from a new DDP to its first step, without and with the replay (the warm-up), beside one step.
+The contenders and the figures (the per-step time, its per-round difference from the defaults, the
+restart): ``benchmarks/README.md``, section bench_exact.
 
 Usage::
 
@@ -22,7 +13,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -39,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import git_commit, pct, spawn_ranks, write_report  # noqa: E402
+from _common import git_commit, parser, pct, spawn_ranks, write_report  # noqa: E402
 from _plain_job import mlp, train  # noqa: E402
 
 from ckpt_engine import DDPBucketOrder  # noqa: E402
@@ -137,7 +127,7 @@ def render(doc: dict[str, Any], cfg: Any) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--mib", type=int, default=16)
     ap.add_argument("--depth", type=int, default=8, help="Linear + LayerNorm + GELU blocks")
@@ -145,7 +135,6 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--name", default="bench_exact_ddp", help="the report's name in --out")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
     cfg = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-exact-ddp-") as cfg.dir:
         ranks = spawn_ranks(rank_main, cfg.world, cfg)

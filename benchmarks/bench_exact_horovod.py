@@ -1,25 +1,9 @@
 """The cost of Horovod's deterministic reduction (``deterministic_reduction``: tensor fusion off), 4 ranks.
 
-What it measures. ``horovodrun -np 4 --gloo`` jobs of this file (``--job``), one per contender and round,
-the contenders' order alternating from round to round:
-
-- ``fused``: ``hvd.init()``, Horovod's defaults (fusion buffers of up to 128 MiB, filled by 1 ms cycles);
-- ``exact``: ``horovod_ckpt.init(deterministic_reduction=True)`` (``HOROVOD_FUSION_THRESHOLD=0``: every
-  tensor reduced alone).
-
-Each job builds an MLP (``--shapes``: blocks x width; a block is ``Linear(width, width)`` +
-``LayerNorm``, a tensor of width² elements and three of width; the default shapes hold about the same
-bytes in 64 tensors, then in 16), ``hvd.DistributedOptimizer`` over SGD with momentum, and a
-``HorovodCheckpointer`` that restores a checkpoint a first job of as many ranks wrote, then trains
-``--warmup`` untimed and ``--steps`` timed steps on per-rank random batches. Figures of rank 0 (every
-step ends in the reduction, which waits for the slowest rank): ``init_s`` (the call that starts
-Horovod), ``restore_s`` (``ck.restore()``), ``first_step_s`` (the step after it: Horovod negotiates
-each tensor once), their sum ``restart_s``, and ``step_ms``, the median timed step. Each round pairs
-the two contenders; the report gives the medians over rounds and the median of the per-round
-differences and ratios (exact - fused, exact / fused). Only ratios within a round mean much on a
-shared machine. On a 2-core machine 4 ranks share 2 cores, so every message of a reduction waits for
-a context switch: a cost per tensor far above that of a rank per core, which ``--ranks 2`` shows (on 2
-ranks the reduction is exact either way: only the cost is of interest there).
+One ``horovodrun -np 4 --gloo`` job of this file (``--job``) per contender (``fused``: Horovod's defaults;
+``exact``: ``horovod_ckpt.init(deterministic_reduction=True)``) and round, alternating, on MLPs of about
+the same bytes in 64 tensors and in 16 (``--shapes``). The method and the figures: ``benchmarks/README.md``,
+section bench_exact.
 
 Usage::
 
@@ -45,7 +29,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from _common import CpuLoad, fmt, git_commit, pct, timed, write_report  # noqa: E402
+from _common import CpuLoad, fmt, git_commit, parser, pct, timed, write_report  # noqa: E402
 from _plain_job import mlp, train  # noqa: E402
 
 CONTENDERS = ("fused", "exact")
@@ -191,7 +175,7 @@ def parse_shapes(text: str) -> list[Shape]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, scratch=None)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--ranks", type=int, default=4, help="2: the cost with a core per rank on a 2-core machine "
                    "(where the reduction is exact either way)")
@@ -200,8 +184,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--out", default=os.path.join(HERE, "out"))
-    p.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
     p.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--contender", choices=CONTENDERS, default="fused", help=argparse.SUPPRESS)

@@ -1,13 +1,10 @@
 """The CUDA path on one GPU: snapshot stall, GPU-side delay, persist, and training overhead.
 
-What it measures, against which limits, peers and targets: ``benchmarks/README.md``, section bench_gpu.
-Per state size (on the GPU), each contender's ``stall`` (the call), ``mutable`` (until the state may
-change), ``gpu_delay`` (how much later a fixed matmul workload queued right after the call, behind a
-short spin kernel, ends on the GPU than without a save; ``control``: the same pair of sequences without
-a save in the same repetition, the figure's own bias) and ``durable``; limits: a device-to-host
-``copy_`` into pinned memory and a raw write of it. Then a GPT-2-small-sized model (``_plain_job``)
-trained with ours and DCP ``async_save``. The peers are ``bench_save``'s (``_peers``), on the device.
-``--tiny``: a few MiB and a 2-layer model, on CPU without CUDA (tests/test_gpu.py).
+Per state size on the GPU, each contender's ``stall``, ``mutable``, ``gpu_delay`` (less a ``control``
+without a save in the same repetition) and ``durable``, against a device-to-host ``copy_`` into pinned
+memory and a raw write of it; then a GPT-2-small-sized model (``_plain_job``) trained with ours and DCP
+``async_save``. The method, peers and targets: ``benchmarks/README.md``, section bench_gpu. ``--tiny``:
+a few MiB and a 2-layer model, on CPU without CUDA (tests/test_gpu.py).
 
     PYTHONPATH=. python3 benchmarks/bench_gpu.py --sizes-gib 1 4 16 --out benchmarks/out
     PYTHONPATH=. python3 benchmarks/bench_gpu.py --tiny
@@ -34,7 +31,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 import _peers  # noqa: E402
-from _common import best_of, gbps, saved_bytes, state_bytes, write_fsync  # noqa: E402
+from _common import best_of, gbps, parser, saved_bytes, state_bytes, write_fsync  # noqa: E402
 from _plain_job import GPT, train  # noqa: E402
 
 from ckpt_engine import Checkpointer  # noqa: E402
@@ -633,12 +630,11 @@ def pick_workdir(explicit: str | None) -> tuple[str, str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__, scratch="")
     p.add_argument("--sizes-gib", type=float, nargs="+", default=[1, 4, 16])
     p.add_argument("--tiny", action="store_true", help="a few MiB and a 2-layer model (CPU without CUDA)")
     p.add_argument("--no-train", action="store_true")
     p.add_argument("--workdir", help="checkpoint directory on a local disk (default: picked, not tmpfs)")
-    p.add_argument("--out", default=os.path.join(HERE, "out"))
     p.add_argument("--budget-s", type=float, default=480, help="skip remaining contenders after this")
     p.add_argument("--reps", type=int, default=0,
                    help="saves per contender and size (default: 3 up to 1 GiB, 2 up to 4 GiB, else 1); the "

@@ -1,15 +1,9 @@
 """A Hugging Face GPT-2 trained with Lightning on one GPU, checkpointed every 10 steps: through the
 node-memory level (with and without ``pipeline=True``) against the local disk alone and no checkpoints.
 
-The workload of a new user: ``transformers``' ``GPT2LMHeadModel(GPT2Config())`` (124 M parameters,
-AdamW: 1.5 GB checkpointed), ``precision="bf16-mixed"``, a plain ``DataLoader(shuffle=True)`` of
-random tokens (batch 16 x 1024): the ``gpt2`` model of ``_lightning_job``, its fits run in this process.
-Each contender is one fit of ``--steps`` steps, in rounds that alternate the contenders. Figures per fit:
-**train** (from the start of step 5 to the end of the last step, the device synchronized at both ends:
-the target, ``fit time``), **drain** (the callback's own ``on_train_end``: the last checkpoint made
-durable, reported on its own), **fit** (both), the median stall and the counters (saved, waited,
-flushed, skipped). Overheads are against the fastest no-checkpoint fit of the run. ``--tiny``: a 2-layer
-model for a few steps on the CPU, so that this script does not rot (tests/test_gpu.py).
+The ``gpt2`` model of ``_lightning_job`` (bf16-mixed), its fits in this process, in rounds that alternate
+the contenders; the figures (train, drain, fit, stalls, counters): ``benchmarks/README.md``, section
+bench_gpu. ``--tiny``: a 2-layer model for a few steps on the CPU (tests/test_gpu.py).
 
     PYTHONPATH=. python3 benchmarks/bench_gpu_lightning.py --out benchmarks/out           # one GPU
     PYTHONPATH=. python3 benchmarks/bench_gpu_lightning.py --tiny --out /tmp/bgl          # CPU, seconds
@@ -33,7 +27,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
-from _common import git_commit  # noqa: E402
+from _common import git_commit, parser, table, write_report  # noqa: E402
 from _lightning_job import FIRST_TIMED, GPU_CONTENDERS as CONTENDERS, PL, FitJob, FitResult, fit  # noqa: E402
 
 
@@ -60,23 +54,23 @@ def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [f"Run {meta['date'][:10]}, device {meta['device']}, torch {meta['torch']}, lightning "
              f"{meta['lightning']}, transformers {meta['transformers']}, {meta['cpus']} cores, commit {meta['commit']}; "
              f"{meta['steps']} steps, a checkpoint every {meta['every']}, timed from step {FIRST_TIMED}; "
-             f"memory level in {meta['shm']}, disk level in {meta['disk']}.", "",
-             "| contender | fits | train s (median) | overhead, steps (min vs min) | overhead, steps (median) "
-             "| drain s | fit incl. drain | median / max stall ms | buffers (made) | counters |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"memory level in {meta['shm']}, disk level in {meta['disk']}.", ""]
+    cells = []
     for name in CONTENDERS:
         mine = [r for r in rows if r["contender"] == name]
         if not mine:
             continue
-        train = [r["train_s"] for r in mine]
-        last = mine[-1]
-        lines.append(f"| {name} | {len(mine)} | {statistics.median(train):.2f} | {min(train) / base - 1:+.1%} | "
-                     f"{statistics.median(train) / base - 1:+.1%} | "
-                     f"{statistics.median(r['drain_s'] for r in mine):.2f} | "
-                     f"{min(r['fit_s'] for r in mine) / base_fit - 1:+.1%} | "
-                     f"{last.get('stall_ms_median', float('nan')):.1f} / {last.get('stall_ms_max', float('nan')):.0f} | "
-                     f"{', '.join(last.get('buffers', [])) or '-'} ({last.get('allocations', 0)}) | "
-                     f"{json.dumps(last.get('counters', {}), sort_keys=True) if 'counters' in last else '-'} |")
+        train, last = [r["train_s"] for r in mine], mine[-1]
+        cells.append([name, len(mine), f"{statistics.median(train):.2f}", f"{min(train) / base - 1:+.1%}",
+                      f"{statistics.median(train) / base - 1:+.1%}",
+                      f"{statistics.median(r['drain_s'] for r in mine):.2f}",
+                      f"{min(r['fit_s'] for r in mine) / base_fit - 1:+.1%}",
+                      f"{last.get('stall_ms_median', float('nan')):.1f} / {last.get('stall_ms_max', float('nan')):.0f}",
+                      f"{', '.join(last.get('buffers', [])) or '-'} ({last.get('allocations', 0)})",
+                      json.dumps(last.get("counters", {}), sort_keys=True) if "counters" in last else "-"])
+    lines += table(["contender", "fits", "train s (median)", "overhead, steps (min vs min)",
+                    "overhead, steps (median)", "drain s", "fit incl. drain", "median / max stall ms",
+                    "buffers (made)", "counters"], cells)
     median = {name: statistics.median(r["train_s"] for r in rows if r["contender"] == name) / base - 1
               for name in CONTENDERS if any(r["contender"] == name for r in rows)}
     lines.append("")
@@ -90,6 +84,11 @@ def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines.append("- the drain (the callback's `on_train_end`: the last checkpoint on every level) is reported on its "
                  "own; `fit incl. drain` adds it, against the fastest fit without checkpoints")
     return "\n".join(lines) + "\n"
+
+
+def rendered(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    """:func:`report`, then each fit that failed."""
+    return report(rows, meta) + "".join(f"\nFailed: {e}\n" for e in meta.get("errors", []))
 
 
 def _meta(a: argparse.Namespace) -> dict[str, Any]:
@@ -113,7 +112,7 @@ def _meta(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__, scratch="")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--rounds", type=int, default=2)
@@ -122,22 +121,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--work", default="/var/tmp/bench_gpu_lightning", help="the disk level's parent directory")
     p.add_argument("--shm", default="/dev/shm/ckpt-bench", help="the memory level's directory")
     p.add_argument("--tiny", action="store_true")
-    p.add_argument("--out", required=True)
     p.add_argument("--from", dest="source", help="re-render the report of this bench_gpu_lightning.json into --out")
     a = p.parse_args(argv)
     if a.source:
         with open(a.source) as f:
             saved = json.load(f)
-        text = report(saved["rows"], saved["meta"]) + "".join(f"\nFailed: {e}\n" for e in saved["meta"].get("errors", []))
-        with open(os.path.join(a.out, "bench_gpu_lightning.md"), "w") as f:
-            f.write(text)
-        print(text)
+        write_report(a.out, "bench_gpu_lightning", rendered(saved["rows"], saved["meta"]), saved)
         return
     if a.tiny:
         a.steps, a.every, a.rounds = min(a.steps, 12), min(a.every, 4), 1
     warnings.filterwarnings("ignore")
     os.makedirs(a.work, exist_ok=True)
-    os.makedirs(a.out, exist_ok=True)
     meta, rows, t0, errors = _meta(a), [], time.perf_counter(), []
     job = FitJob(model="gpt2-tiny" if a.tiny else "gpt2", steps=a.steps, every=a.every, keep=2,
                  device="cpu" if a.tiny else "gpu", precision="bf16-mixed", shm=a.shm)
@@ -161,13 +155,7 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     meta["total_s"], meta["errors"] = time.perf_counter() - t0, errors
-    text = report(rows, meta) + "".join(f"\nFailed: {e}\n" for e in errors)
-    print(text, flush=True)
-    with open(os.path.join(a.out, "bench_gpu_lightning.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    with open(os.path.join(a.out, "bench_gpu_lightning.md"), "w") as f:
-        f.write(text)
-
+    write_report(a.out, "bench_gpu_lightning", rendered(rows, meta), {"meta": meta, "rows": rows})
 
 if __name__ == "__main__":
     main()

@@ -15,7 +15,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -25,7 +24,7 @@ from dataclasses import asdict, fields
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import HERE, fmt, pct, verdict, write_report  # noqa: E402
+from _common import fmt, parser, pct, table, verdict, write_report  # noqa: E402
 from _lightning_job import (CONTENDERS, DEFAULT_CONTENDERS, EVERY_STEP, LABELS, MARK, MEMORY_CONTENDERS,  # noqa: E402
                             MEMORY_LEVEL, OURS, PEERS, TARGET_VS_PEER, FitJob, FitResult, clean_step,
                             drift_corrected, every_of, label, local_costs, mean, median, quiet_fit, warm_up)
@@ -179,37 +178,36 @@ def markdown(s: dict[str, Any]) -> list[str]:
              f"{rows['none']['rounds']} alternated rounds, one process per fit", "",
              f"Spread of the no-checkpointing fits (max ÷ min − 1): process CPU {s['cpu_spread'] * 100:.1f} %, "
              f"fit wall {s['wall_spread'] * 100:.1f} %.", "",
-             "| configuration | process CPU s (min) | overhead | fit CPU s (min) | overhead | fit wall s (min) "
-             "| overhead | per round: CPU / wall s | drift-corrected CPU / wall overhead | checkpoints "
-             "| extra process CPU per ckpt ms | training-thread CPU per ckpt ms (first / steady) "
-             "| background CPU per ckpt ms | foreign load (max cores) |", "|---" * 14 + "|"]
-    for r in rows.values():
-        per = ", ".join(f"{c:.1f}/{w:.1f}" for c, w in zip(r["per_round_cpu"], r["per_round_wall"]))
-        lines.append(f"| {r['label']} | {r['process_cpu_s_min']:.2f} | {pct(r['process_cpu_s_overhead'])} "
-                     f"| {r['fit_cpu_s_min']:.2f} | {pct(r['fit_cpu_s_overhead'])} | {r['fit_wall_s_min']:.2f} "
-                     f"| {pct(r['fit_wall_s_overhead'])} | {per} | {pct(r['dc_cpu_overhead'])} / "
-                     f"{pct(r['dc_wall_overhead'])} | {r['n_ckpt']:.0f} | {fmt(r['extra_cpu_per_ckpt_ms'])} "
-                     f"| {fmt(r['train_cpu_first_ms'])} / {fmt(r['train_cpu_steady_ms'])} "
-                     f"| {fmt(r['background_cpu_per_ckpt_ms'])} | {fmt(r['foreign_cores_max'], '{:.2f}')} |")
+             *table(["configuration", "process CPU s (min)", "overhead", "fit CPU s (min)", "overhead",
+                     "fit wall s (min)", "overhead", "per round: CPU / wall s", "drift-corrected CPU / wall overhead",
+                     "checkpoints", "extra process CPU per ckpt ms",
+                     "training-thread CPU per ckpt ms (first / steady)", "background CPU per ckpt ms",
+                     "foreign load (max cores)"], [[
+                 r["label"], f"{r['process_cpu_s_min']:.2f}", pct(r["process_cpu_s_overhead"]),
+                 f"{r['fit_cpu_s_min']:.2f}", pct(r["fit_cpu_s_overhead"]), f"{r['fit_wall_s_min']:.2f}",
+                 pct(r["fit_wall_s_overhead"]),
+                 ", ".join(f"{c:.1f}/{w:.1f}" for c, w in zip(r["per_round_cpu"], r["per_round_wall"])),
+                 f"{pct(r['dc_cpu_overhead'])} / {pct(r['dc_wall_overhead'])}", f"{r['n_ckpt']:.0f}",
+                 fmt(r["extra_cpu_per_ckpt_ms"]), f"{fmt(r['train_cpu_first_ms'])} / {fmt(r['train_cpu_steady_ms'])}",
+                 fmt(r["background_cpu_per_ckpt_ms"]), fmt(r["foreign_cores_max"], "{:.2f}")] for r in rows.values()])]
     lines += ["", f"Local cost per checkpoint (ms, mean over checkpoints and rounds; the excess of the {j['every']} "
               "steps after each checkpoint over the late steps before it; no checkpointing: the same windows, a "
               "control):", "",
-              "| configuration | process CPU | main-thread CPU | wall | clean step ms | import CPU ms |",
-              "|---|---|---|---|---|---|"]
-    lines += [f"| {r['label']} | {fmt(r['local_cpu_ms'])} | {fmt(r['local_main_cpu_ms'])} | {fmt(r['local_wall_ms'])} "
-              f"| {fmt(r['clean_step_ms'])} | {fmt(r['import_cpu_ms'])} |" for r in rows.values()]
+              *table(["configuration", "process CPU", "main-thread CPU", "wall", "clean step ms", "import CPU ms"],
+                     [[r["label"], *(fmt(r[k]) for k in ("local_cpu_ms", "local_main_cpu_ms", "local_wall_ms",
+                                                         "clean_step_ms", "import_cpu_ms"))] for r in rows.values()])]
     lines += ["", *verdicts(s), "", "Where ours' CPU goes per checkpoint (`figures.jsonl`, mean; ms):", "",
-              "| configuration | training thread (`train_cpu_ms`) | encode + layout | copy (all threads) "
-              "| persist (hash + write) | commit | stall ms |", "|---|---|---|---|---|---|---|"]
-    lines += ["| " + " | ".join([rows[o]["label"], *(fmt(rows[o][k]) for k in (
-        "train_cpu_ms", "encode_cpu_ms", "snapshot_cpu_ms", "persist_cpu_ms", "commit_cpu_ms", "stall_ms"))]) + " |"
-        for o in OURS_ALL if o in rows]
+              *table(["configuration", "training thread (`train_cpu_ms`)", "encode + layout", "copy (all threads)",
+                      "persist (hash + write)", "commit", "stall ms"],
+                     [[rows[o]["label"], *(fmt(rows[o][k]) for k in ("train_cpu_ms", "encode_cpu_ms", "snapshot_cpu_ms",
+                                                                     "persist_cpu_ms", "commit_cpu_ms", "stall_ms"))]
+                      for o in OURS_ALL if o in rows])]
     lines += ["", "CPU by thread (s per fit, median): main = the training thread (start-up and imports included), "
               "other = native threads (torch's intra-op workers):", "",
-              "| configuration | main | Python threads | other |", "|---|---|---|---|"]
-    for r in rows.values():
-        threads = ", ".join(f"{k} {v:.2f}" for k, v in r["threads_cpu_s"].items() if v >= 0.005) or "-"
-        lines.append(f"| {r['label']} | {r['main_cpu_s']:.2f} | {threads} | {r['other_cpu_s']:.2f} |")
+              *table(["configuration", "main", "Python threads", "other"], [[
+                  r["label"], f"{r['main_cpu_s']:.2f}",
+                  ", ".join(f"{k} {v:.2f}" for k, v in r["threads_cpu_s"].items() if v >= 0.005) or "-",
+                  f"{r['other_cpu_s']:.2f}"] for r in rows.values()])]
     lines += ["", "Notes: the method and the meaning of each figure: benchmarks/README.md, section bench_lightning.",
               ""]
     return lines + (memory_markdown(s) if any(c in rows for c in MEMORY_CONTENDERS) else [])
@@ -269,33 +267,34 @@ def memory_verdicts(s: dict[str, Any]) -> list[str]:
 def memory_markdown(s: dict[str, Any]) -> list[str]:
     """The node-memory section: ours with a memory level in front of a slow disk, and the copy + hash floor."""
     rows, j = s["rows"], s["job"]
-    lines = [f"## Node-memory level in front of a {j['disk_mb_s']:g} MB/s disk (same rounds as above)", "",
-             "| configuration | checkpoints (committed) | saves' wait for a buffer s | flushed / skipped to disk "
-             "| flush copy ms / lag ms | process CPU overhead | own CPU overhead | fit wall overhead "
-             "| training wall overhead | final wait s | CPU per checkpoint ms: own / process Δ min / paired "
-             "| own CPU ÷ floor's |", "|---" * 12 + "|"]
     floor = rows["copy_hash_every1"]["own_cpu_per_ckpt_ms"] if "copy_hash_every1" in rows else math.nan
+    cells = []
     for c in ["none"] + [c for c in MEMORY_CONTENDERS if c in rows]:
         r, mem = rows[c], c in MEMORY_CONTENDERS
         g = {k: r.get(k, math.nan) for k in ("waited_s", "flushed", "flush_skipped", "flush_copy_ms", "flush_lag_ms",
                                              "final_wait_s", "own_cpu_per_ckpt_ms", "cpu_per_ckpt_ms",
                                              "cpu_per_ckpt_paired_ms")}
-        lines.append(
-            f"| {r['label']} | {r['committed'] if mem else 0:.0f} | {fmt(g['waited_s'])} "
-            f"| {fmt(g['flushed'], '{:.0f}')} / {fmt(g['flush_skipped'], '{:.0f}')} "
-            f"| {fmt(g['flush_copy_ms'], '{:.0f}')} / {fmt(g['flush_lag_ms'], '{:.0f}')} "
-            f"| {pct(r['process_cpu_s_overhead'])} | {pct(r.get('own_cpu_overhead', 0.0))} "
-            f"| {pct(r['fit_wall_s_overhead'])} | {pct(r.get('end_wall_s_overhead', 0.0))} | {fmt(g['final_wait_s'])} "
-            f"| {fmt(g['own_cpu_per_ckpt_ms'])} / {fmt(g['cpu_per_ckpt_ms'])} / {fmt(g['cpu_per_ckpt_paired_ms'])} "
-            f"| {fmt(g['own_cpu_per_ckpt_ms'] / floor if mem and floor > 0 else math.nan, '{:.2f}')} |")
-    return lines + ["", *memory_verdicts(s), "",
-                    f"Notes: the disk is this machine's, paced to at most {j['disk_mb_s']:g} MB/s per data-file write "
-                    "(`_slow_storage`); own CPU = the threads doing the checkpoint work, within each fit; process Δ = "
-                    "(process CPU − no checkpointing's) ÷ checkpoints, of the minima (min) or per round (paired).", ""]
+        cells.append([
+            r["label"], f"{r['committed'] if mem else 0:.0f}", fmt(g["waited_s"]),
+            f"{fmt(g['flushed'], '{:.0f}')} / {fmt(g['flush_skipped'], '{:.0f}')}",
+            f"{fmt(g['flush_copy_ms'], '{:.0f}')} / {fmt(g['flush_lag_ms'], '{:.0f}')}",
+            pct(r["process_cpu_s_overhead"]), pct(r.get("own_cpu_overhead", 0.0)), pct(r["fit_wall_s_overhead"]),
+            pct(r.get("end_wall_s_overhead", 0.0)), fmt(g["final_wait_s"]),
+            f"{fmt(g['own_cpu_per_ckpt_ms'])} / {fmt(g['cpu_per_ckpt_ms'])} / {fmt(g['cpu_per_ckpt_paired_ms'])}",
+            fmt(g["own_cpu_per_ckpt_ms"] / floor if mem and floor > 0 else math.nan, "{:.2f}")])
+    return [f"## Node-memory level in front of a {j['disk_mb_s']:g} MB/s disk (same rounds as above)", "",
+            *table(["configuration", "checkpoints (committed)", "saves' wait for a buffer s",
+                    "flushed / skipped to disk", "flush copy ms / lag ms", "process CPU overhead", "own CPU overhead",
+                    "fit wall overhead", "training wall overhead", "final wait s",
+                    "CPU per checkpoint ms: own / process Δ min / paired", "own CPU ÷ floor's"], cells),
+            "", *memory_verdicts(s), "",
+            f"Notes: the disk is this machine's, paced to at most {j['disk_mb_s']:g} MB/s per data-file write "
+            "(`_slow_storage`); own CPU = the threads doing the checkpoint work, within each fit; process Δ = "
+            "(process CPU − no checkpointing's) ÷ checkpoints, of the minima (min) or per round (paired).", ""]
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, scratch=None, quiet=True)
     p.add_argument("--model", choices=("transformer", "mlp"), default="transformer",
                    help="Lightning's demo Transformer (default) or an MLP")
     p.add_argument("--quick", action="store_true", help="smoke run: 30 steps, one round")
@@ -307,9 +306,6 @@ def main(argv: list[str] | None = None) -> None:
                    help=f"comma-separated, among {','.join(CONTENDERS)} (none is always run)")
     p.add_argument("--tf-disk-mb-s", type=float, default=50.0, help="the slow disk's rate (MB/s)")
     p.add_argument("--tf-from", default=None, metavar="JSON", help="no fits: re-render a saved run's JSON")
-    p.add_argument("--quiet", type=float, default=0.3, help="wait (a little) for other processes to use fewer cores")
-    p.add_argument("--out", default=os.path.join(HERE, "out"))
-    p.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
     a = p.parse_args(argv)
     if a.tf_from:
         with open(a.tf_from) as f:

@@ -1,11 +1,8 @@
 """Recovery after every process of a job died: restore from node memory against restore from local disk.
 
-What it measures and its target: ``benchmarks/README.md``, section bench_recovery. A 2-rank job (gloo,
-CPU; two simulated nodes, ``CKPT_NODE``, so each rank's part is also replicated to the other) saves into
-``levels=[memory, disk]``, waits until both hold it and dies by SIGKILL. Then, per round in alternating
-order, a new job ``restore(into=)``s from the nodes' memory, or from the disk alone with its files dropped
-from the page cache. Figures (rank 0, medians): the restore (every byte verified) and the new job's first
-line of Python to its first optimizer step.
+A 2-rank job (gloo, CPU; two simulated nodes, ``CKPT_NODE``) saves into ``levels=[memory, disk]``, waits
+until both hold it and dies by SIGKILL; then new jobs restore, in alternating rounds. The method and its
+target: ``benchmarks/README.md``, section bench_recovery.
 
 Usage::
 

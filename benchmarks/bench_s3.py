@@ -13,7 +13,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import io
 import os
 import statistics
@@ -29,7 +28,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "tests")]
 import s3server  # noqa: E402  (tests/s3server.py: starts and stops the moto server)
-from _common import write_fsync, write_report  # noqa: E402
+from _common import parser, table, write_fsync, write_report  # noqa: E402
 
 from ckpt_engine import Checkpointer  # noqa: E402
 from ckpt_engine.storage import fsspec_storage  # noqa: E402
@@ -106,13 +105,12 @@ def raw_clients(url: str, bucket: str, data: bytes, part: int, n: int, endpoint:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--size-mib", type=int, default=256)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--in-flight", type=int, default=8, help="parts in flight, for every contender")
     p.add_argument("--part-mib", type=int, default=fsspec_storage._OBJECT_BLOCK >> 20,
                    help="part size of every upload and range size of every read (default: our part size)")
-    p.add_argument("--out", default=os.path.join(HERE, "out"))
     args = p.parse_args()
     part, n = args.part_mib << 20, args.in_flight
     fsspec_storage._OBJECT_BLOCK = fsspec_storage._READ_BLOCK = part
@@ -142,12 +140,10 @@ def main() -> int:
     gbs = {k: len(raw) / s / 1e9 for k, s in med.items()}
     ratios = {k: med[a] / med[b] for k, (a, b) in RATIOS.items()}
     lines = [f"# bench_s3: {args.size_mib} MiB, {n} parts in flight of {args.part_mib} MiB, median of {args.reps}",
-             "", "| contender | median s | GB/s | ÷ its raw limit |", "|---|---|---|---|"]
-    for k in rows:
-        limit = f"{gbs[k] / gbs[LIMIT[k]]:.2f}" if k in LIMIT else "1 (limit)"
-        lines.append(f"| {k} | {med[k]:.3f} | {gbs[k]:.3f} | {limit} |")
-    lines += ["", "| time ratio (lower is better for ours) | × |", "|---|---|"]
-    lines += [f"| {k} | {v:.2f} |" for k, v in ratios.items()]
+             "", *table(["contender", "median s", "GB/s", "÷ its raw limit"],
+                        [[k, f"{med[k]:.3f}", f"{gbs[k]:.3f}", f"{gbs[k] / gbs[LIMIT[k]]:.2f}" if k in LIMIT
+                          else "1 (limit)"] for k in rows]),
+             "", *table(["time ratio (lower is better for ours)", "×"], [[k, f"{v:.2f}"] for k, v in ratios.items()])]
     writes = [k for k in rows if k not in READS]
     write_report(args.out, "bench_s3", "\n".join(lines) + "\n", {
         "size_mib": args.size_mib, "in_flight": n, "part_mib": args.part_mib, "seconds": {k: rows[k] for k in writes},

@@ -13,7 +13,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import os
 import shutil
@@ -31,9 +30,9 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _peers  # noqa: E402
-from _common import (HERE, CpuLoad, MemProbe, Metrics, MiB, RankCtx, RawWriter, best_rounds, byte_view,  # noqa: E402
-                     num, numbered, peer_rounds, run_stages, set_page_cache, slowest, spawn_ranks, steady_figures,
-                     synchronous, tensors_of, timed, timed_save, verdict, write_report)
+from _common import (CpuLoad, MemProbe, Metrics, MiB, RankCtx, RawWriter, best_rounds, byte_view, num,  # noqa: E402
+                     numbered, parser, peer_rounds, run_stages, set_page_cache, slowest, spawn_ranks, steady_figures,
+                     synchronous, table, tensors_of, timed, timed_save, verdict, write_report)
 
 PEERS = {"lightning": "Lightning ModelParallelStrategy save (its calls)", "dcp_save": "DCP save",
          "dcp_async": "DCP async_save", "dcp_async_stager": "DCP async_save, reused DefaultStager",
@@ -342,36 +341,35 @@ def markdown(rows: list[dict[str, Any]], worlds: dict[int, dict[str, Any]], conf
              f"{config['cpu_count']} cores, torch {config['torch']}", "",
              f"Slowest rank of each world size. CPU taken by other work during the run: "
              f"{config['other_cpu_fraction'] * 100:.0f} % of the machine.", "",
-             "| ranks | ratio | value | figures | target | result |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['ranks']} | {r['metric']} | {num(r['ratio'])} | {r['figures']} | {r['target']} "
-              f"| {verdict(r['passed'])} |" for r in rows]
-    lines += ["", "| ranks | contender | call ms | until mutable ms | to durable s | extra RSS MiB |",
-              "|---|---|---|---|---|---|"]
+             *table(["ranks", "ratio", "value", "figures", "target", "result"],
+                    [[r["ranks"], r["metric"], num(r["ratio"]), r["figures"], r["target"], verdict(r["passed"])]
+                     for r in rows]), ""]
+    cells = []
     for w, res in worlds.items():
         for name in ("memcpy", "raw_write_direct", "ours", *PEERS):
             m = res["slowest"].get(name)
             if m is not None:
                 call, mem = m.get("stall_s"), m.get("mem_extra_bytes")
                 mutable = m.get("mutable_s", call)
-                lines.append(f"| {w} | {PEERS.get(name, name)} | {num(call * 1e3 if call is not None else None)} "
-                             f"| {num(mutable * 1e3 if mutable is not None else None)} | {num(m.get('total_s'))} "
-                             f"| {num(mem / MiB if mem is not None else None)} |")
-    lines += ["", "| ranks | restore | total s | read s | set_state_dict s | extra RSS MiB | bit-exact |",
-              "|---|---|---|---|---|---|---|"]
+                cells.append([w, PEERS.get(name, name), num(call * 1e3 if call is not None else None),
+                              num(mutable * 1e3 if mutable is not None else None), num(m.get("total_s")),
+                              num(mem / MiB if mem is not None else None)])
+    lines += [*table(["ranks", "contender", "call ms", "until mutable ms", "to durable s", "extra RSS MiB"], cells), ""]
+    restores = []
     for w, res in worlds.items():
         for name, what in (("restore_ours", "ours `restore(into=state)`"), ("restore_dcp", "DCP `load`")):
             m = res["slowest"][name]
-            lines.append(f"| {w} | {what} | {num(m['load_s'])} | {num(m['read_s'])} | {num(m['set_state_s'])} "
-                         f"| {num(m['load_mem_extra_bytes'] / MiB)} | {'yes' if m['load_ok'] == 1.0 else 'NO'} |")
+            restores.append([w, what, num(m["load_s"]), num(m["read_s"]), num(m["set_state_s"]),
+                             num(m["load_mem_extra_bytes"] / MiB), "yes" if m["load_ok"] == 1.0 else "NO"])
+    lines += table(["ranks", "restore", "total s", "read s", "set_state_dict s", "extra RSS MiB", "bit-exact"],
+                   restores)
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__, scratch="/tmp")
     p.add_argument("--size-mib", type=int, default=384, help="model + AdamW state in MiB, float32 (default 384)")
     p.add_argument("--width", type=int, default=1024, help="model width d (blocks d -> 4d -> d; default 1024)")
-    p.add_argument("--out", default=os.path.join(HERE, "out"), help="report directory (default benchmarks/out)")
-    p.add_argument("--dir", default="/tmp", help="a fresh temp dir for the checkpoints is made inside it")
     p.add_argument("--reps", type=int, default=9, help="saves of ours per world size (default 9)")
     p.add_argument("--peer-reps", type=int, default=2, help="rounds of each peer, best kept (default 2)")
     p.add_argument("--restore-reps", type=int, default=3, help="restores of ours and of DCP, alternated (default 3)")

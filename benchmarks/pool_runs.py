@@ -1,13 +1,8 @@
 """Pool the paired figures of several ``bench_save`` runs: one median per target, with its interval.
 
-A run's median of 5-9 pairs lands on either side of a target by luck on this VM (single pairs range
-0.7-1.6). Per world size and target this pools every pair of every run (``bench_save.json`` of each):
-the pooled median, a 95 % bootstrap interval of it (4000 resamples, a fixed seed: the same input gives
-the same table) and each run's own median. Every time in a pair is the slowest rank's. The pairs: each
-save 2..N's stall ÷ the mean of the copies timed right before and after it (and the copy inside
-``save()`` alone, informative); the faster raw write of the round ÷ our time after the stall; the raw
-read into fresh memory ÷ our ``load()``, cold and warm, and the same read verified as ``load()``
-verifies: raw ÷ verified (the cap) and verified ÷ ours.
+Per world size and target, every pair of every run (``bench_save.json`` of each): the pooled median, a
+95 % bootstrap interval of it (4000 resamples, a fixed seed) and each run's own median. The pairs:
+``benchmarks/README.md``, section bench_save.
 
 Usage::
 
