@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from _common import slowest
+from _common import slowest, table
 from bench_save import persist_ratios
 
 Metrics = dict[str, float]
@@ -110,14 +110,11 @@ def pool(runs: Sequence[dict[str, Any]]) -> list[Pooled]:
 
 def markdown(pooled: Sequence[Pooled], names: Sequence[str]) -> str:
     """The pooled table: one row per world size and target."""
-    lines = ["| ranks | figure | pooled median | 95 % interval | pairs | " + " | ".join(names) + " | target | met |",
-             "|---|---|---|---|---|" + "---|" * len(names) + "---|---|"]
-    for p in pooled:
-        runs = " | ".join(f"{m:.3f}" for m in p.runs)
-        met = "-" if p.met is None else "yes" if p.met else "**no**"
-        lines.append(f"| {p.world} | {TARGETS[p.target][0]} | {p.median:.3f} | {p.low:.3f}-{p.high:.3f} | {p.pairs} | "
-                     f"{runs} | {TARGETS[p.target][1]} | {met} |")
-    return "\n".join(lines) + "\n"
+    cells = [[p.world, TARGETS[p.target][0], f"{p.median:.3f}", f"{p.low:.3f}-{p.high:.3f}", p.pairs,
+              *(f"{m:.3f}" for m in p.runs), TARGETS[p.target][1],
+              "-" if p.met is None else "yes" if p.met else "**no**"] for p in pooled]
+    return "\n".join(table(["ranks", "figure", "pooled median", "95 % interval", "pairs", *names, "target", "met"],
+                           cells)) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -118,7 +118,7 @@ def save_figures(files: list[Result]) -> list[str]:
     """bench_save: each run's targets side by side, then the paired figures pooled over the runs."""
     sys.path.insert(0, HERE)
     import pool_runs
-    from _common import num
+    from _common import num, table
 
     runs, names = [r.load() for r in files], [r.run or r.date for r in files]
     rows: dict[tuple[str, str, str], list[Any]] = {}
@@ -126,13 +126,12 @@ def save_figures(files: list[Result]) -> list[str]:
         for row in run["rows"]:
             if row["passed"] is not None:
                 rows.setdefault((row["world"], row["metric"], row["target"]), [None] * len(runs))[i] = row
-    lines = ["Each run's targets (ours ÷ the limit; slowest rank):", "",
-             "| ranks | figure | " + " | ".join(names) + " | target |", "|---|---|" + "---|" * len(names) + "---|"]
-    for (world, metric, target), found in rows.items():
-        cells = ["-" if r is None else f"{num(r['ours_vs_limit'])} {'PASS' if r['passed'] else 'FAIL'}" for r in found]
-        lines.append(f"| {world} | {metric} | " + " | ".join(cells) + f" | {target} |")
-    return lines + ["", f"The paired figures pooled over runs {', '.join(names)} (`pool_runs.py`):", "",
-                    *pool_runs.markdown(pool_runs.pool(runs), names).splitlines()]
+    cells = [[world, metric, *("-" if r is None else f"{num(r['ours_vs_limit'])} {'PASS' if r['passed'] else 'FAIL'}"
+                               for r in found), target] for (world, metric, target), found in rows.items()]
+    return ["Each run's targets (ours ÷ the limit; slowest rank):", "",
+            *table(["ranks", "figure", *names, "target"], cells),
+            "", f"The paired figures pooled over runs {', '.join(names)} (`pool_runs.py`):", "",
+            *pool_runs.markdown(pool_runs.pool(runs), names).splitlines()]
 
 
 def render_section(section: str, files: list[Result]) -> str:
