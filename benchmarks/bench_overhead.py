@@ -14,7 +14,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -23,7 +22,7 @@ from dataclasses import asdict
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import HERE, fmt, pct, verdict, write_report  # noqa: E402
+from _common import fmt, parser, pct, table, verdict, write_report  # noqa: E402
 from _lightning_job import (FitJob, FitResult, clean_step, drift_corrected, local_costs, mean, median,  # noqa: E402
                             quiet_fit, warm_up)
 
@@ -128,33 +127,33 @@ def markdown(s: dict[str, Any], slow: dict[str, Any] | None, steps: int, reps: i
     """The configurations' table, the verdicts and the slowed fit's before and after."""
     lines = [f"# bench_overhead: MLP + Adam, {steps} steps, iteration ≈ {s['iteration_ms']:.0f} ms, {reps} rounds, "
              f"peers every k = {s['k']} steps", "",
-             "| configuration | loop s | overhead | drift-corrected | policy's estimate | checkpoints "
-             "| mean interval | expected lost work s | local cost per ckpt ms | stall ms (ours) "
-             "| training-thread CPU per ckpt ms | clean step ms | foreign load (max cores) |", "|---" * 13 + "|"]
-    for n, r in s["rows"].items():
-        lines.append(f"| {n} | {r['loop_s']:.2f} | {pct(r['overhead'])} | {pct(r['dc_overhead'])} "
-                     f"| {fmt(r['policy_overhead'] * 100, '{:.1f} %')} | {r['n_ckpt']:.0f} | {fmt(r['mean_interval'])} "
-                     f"| {fmt(r['expected_lost_work_s'], '{:.2f}')} | {fmt(r['local_cost_ms'])} | {fmt(r['stall_ms'])} "
-                     f"| {fmt(r['train_cpu_ms'])} | {r['clean_step_ms']:.1f} "
-                     f"| {fmt(r['foreign_cores_max'], '{:.2f}')} |")
-    lines += ["", *verdicts(s), ""]
+             *table(["configuration", "loop s", "overhead", "drift-corrected", "policy's estimate", "checkpoints",
+                     "mean interval", "expected lost work s", "local cost per ckpt ms", "stall ms (ours)",
+                     "training-thread CPU per ckpt ms", "clean step ms", "foreign load (max cores)"], [[
+                 n, f"{r['loop_s']:.2f}", pct(r["overhead"]), pct(r["dc_overhead"]),
+                 fmt(r["policy_overhead"] * 100, "{:.1f} %"), f"{r['n_ckpt']:.0f}", fmt(r["mean_interval"]),
+                 fmt(r["expected_lost_work_s"], "{:.2f}"), fmt(r["local_cost_ms"]), fmt(r["stall_ms"]),
+                 fmt(r["train_cpu_ms"]), f"{r['clean_step_ms']:.1f}", fmt(r["foreign_cores_max"], "{:.2f}")]
+                 for n, r in s["rows"].items()]),
+             "", *verdicts(s), ""]
     if slow is not None:
+        rows = [[what, fmt(slow[key.format("before")], spec),
+                 fmt(slow[key.format("end" if key.startswith("policy") else "after")], spec)]
+                for what, key, spec in (("mean interval (steps)", "interval_{}", "{:.1f}"),
+                                        ("the policy's interval (last logged)", "policy_interval_{}", "{:.0f}"),
+                                        ("persist ms", "persist_ms_{}", "{:.0f}"),
+                                        ("stall ms", "stall_ms_{}", "{:.1f}"))]
+        rows.append(["overhead against the fit's clean step", pct(slow["overhead_before"]),
+                     pct(slow["overhead_after"])])
         lines += [f"Disk slowed to {slow['mb_per_s']:.0f} MB/s at step {slow['slow_at_step']} (adaptive 3.5 %):", "",
-                  "| | before | after |", "|---|---|---|"]
-        for what, key, spec in (("mean interval (steps)", "interval_{}", "{:.1f}"),
-                                ("the policy's interval (last logged)", "policy_interval_{}", "{:.0f}"),
-                                ("persist ms", "persist_ms_{}", "{:.0f}"), ("stall ms", "stall_ms_{}", "{:.1f}")):
-            after = "end" if key.startswith("policy") else "after"
-            lines.append(f"| {what} | {fmt(slow[key.format('before')], spec)} | {fmt(slow[key.format(after)], spec)} |")
-        lines += [f"| overhead against the fit's clean step | {pct(slow['overhead_before'])} "
-                  f"| {pct(slow['overhead_after'])} |", ""]
+                  *table(["", "before", "after"], rows), ""]
     lines += [f"Notes: loop = the first step's end to the last's; local cost = the excess of the {WINDOW} steps after "
               "a checkpoint over the late steps before it; the rest: benchmarks/README.md, section bench_overhead.", ""]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, scratch=None, quiet=True)
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--slow-steps", type=int, default=700, help="steps of the slowed fit (slowed from half of them)")
@@ -163,9 +162,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-slow", action="store_true")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--quick", action="store_true", help="smoke run: 120 steps, one round, 160 slowed steps")
-    p.add_argument("--quiet", type=float, default=0.3, help="wait (a little) for other processes to use fewer cores")
-    p.add_argument("--out", default=os.path.join(HERE, "out"))
-    p.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
     a = p.parse_args(argv)
     if a.quick:
         a.steps, a.reps, a.slow_steps = 120, 1, 160
