@@ -14,8 +14,26 @@ azurite); a backend of your own runs it the same way (``pytest`` needed)::
 
         storage_options = {"endpoint_url": "http://127.0.0.1:9000"}   # optional
 
-Each test opens ``Storage(url, storage_options)`` on the root the ``url`` fixture gives. What differs
-by backend is asked of the storage itself (``can_append``, ``free_bytes()``), never of its name.
+Each test opens the root the ``url`` fixture gives with :meth:`StorageContract.open`:
+``open_storage(url, storage_options)``, the implementation the engine would pick. A storage class of
+your own (a ``Storage`` subclass, or a :class:`~ckpt_engine.storage.StorageWrapper` that must behave as
+what it wraps) overrides ``open``::
+
+    class TestMyWrapper(StorageContract):
+        def open(self, url):
+            return MyWrapper(open_storage(url))
+
+What differs by backend is asked of the storage itself (``can_append``, ``free_bytes()``), never of its
+name.
+
+The tests, by what they check: the URL, ``path``, ``describe`` and the settings (``protocol``,
+``polling``, ``can_append``, ``retry_deadline``, ``in_memory``); ``child`` and pickling; ``makedirs``;
+``write_stream`` (sequences, iterators, fresh-pass iterables, a failing one); ``write_atomic``;
+``append`` or its refusal; ``remove``; ``abort_uploads``; ``read_bytes``, ``size``, ``regular_size``,
+``exists``; a directory refused where a file is read; ``read_bytes``'s limit; a missing file; the
+:class:`~ckpt_engine.storage.Reader` (``read_into``, ``read_many``, ``read_steps``, ``mapped``,
+``run_max``, ``verify_step``, ``close``, a short file); ``listdir``, ``entries``, ``usage``;
+``free_bytes``; ``stale_temp_files``; ``run``.
 """
 
 from __future__ import annotations
@@ -26,7 +44,7 @@ from typing import Any, ClassVar, Iterator
 import pytest
 
 from ..errors import CheckpointError, FormatError, StorageError
-from ..storage import Reader, Storage
+from ..storage import Reader, Storage, open_storage
 from ..storage.base import TMP_PREFIX
 from ..storage.poll import Polling
 
@@ -52,8 +70,8 @@ class StorageContract:
     storage_options: ClassVar[dict[str, Any]] = {}
 
     def open(self, url: str) -> Storage:
-        """The storage under test at ``url``."""
-        return Storage(url, dict(self.storage_options))
+        """The storage under test at ``url`` (override it for a class ``open_storage`` does not return)."""
+        return open_storage(url, dict(self.storage_options))
 
     # ---- naming and settings --------------------------------------------------------------------
     def test_paths_describe_and_settings(self, url: str) -> None:
