@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpt_engine import Checkpointer
-from ckpt_engine.errors import (CheckpointError, CorruptionError, FormatError, InsufficientMemoryError,
-                                MismatchError, NoCheckpointError, StorageError)
+from ckpt_engine.errors import (CorruptionError, FormatError, InsufficientMemoryError, MismatchError,
+                                NoCheckpointError, StorageError)
 from ckpt_engine.format.entries import data_file
 from ckpt_engine.load import exchange
 from ckpt_engine.load.search import Read, ends_search, may_try, search
