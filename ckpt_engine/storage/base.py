@@ -47,6 +47,10 @@ def temp_name(rel: str) -> str:
 
 Chunks = Sequence[memoryview | bytes] | Iterable[memoryview | bytes]
 
+_opener: Callable[..., "Storage"] | None = None
+""":func:`~.open.open_storage`, put here by :mod:`.open` (which imports the implementations, which import
+this module, so this one cannot import it): what the deprecated ``Storage(url)`` calls."""
+
 
 class Storage(abc.ABC):
     """A checkpoint root directory (``/dir``, ``file:///dir``, ``memory://x``, ``s3://b/p`` ...).
@@ -75,8 +79,8 @@ class Storage(abc.ABC):
         if cls is Storage:  # the spelling before open_storage: kept one release
             warnings.warn("Storage(url) is deprecated; use ckpt_engine.open_storage(url, storage_options)",
                           DeprecationWarning, stacklevel=2)
-            from .open import open_storage  # here: .open imports the implementations, which import this module
-            return open_storage(*args, **kwargs)  # Python then runs its __init__ again: opened again, same state
+            assert _opener is not None, "ckpt_engine.storage.open sets it when the package is imported"
+            return _opener(*args, **kwargs)  # Python then runs its __init__ again: opened again, same state
         if cls.__abstractmethods__:
             raise TypeError(f"{cls.__name__} subclasses Storage without implementing "
                             f"{sorted(cls.__abstractmethods__)}: to change how a real storage behaves (a fault "

@@ -13,6 +13,7 @@ from typing import Any
 
 from fsspec.implementations.local import LocalFileSystem
 
+from . import base
 from .base import Storage, open_url
 from .fsspec_storage import FsspecStorage
 from .local import LocalStorage
@@ -33,3 +34,6 @@ def open_storage(url: str, storage_options: dict[str, Any] | None = None, *,
     storage = implementation.__new__(implementation)
     storage._setup(str(url), fs, root, retry_deadline)
     return storage
+
+
+base._opener = open_storage  # what the deprecated Storage(url) calls (base.Storage.__new__)
