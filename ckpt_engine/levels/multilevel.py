@@ -28,7 +28,7 @@ from ..save.commit import CommitInputs, retain, wait_for_commit, write_abort
 from ..save.filebuffers import BUFFERS, FileBuffers
 from ..save.persist import PersistJob
 from ..save.tally import Tally
-from ..storage import Storage
+from ..storage import Storage, open_storage
 from .assemble import Assembly
 from .destination import Retention, new_generation
 from .flush import Flusher, FlushItem
@@ -300,7 +300,7 @@ class MultiLevel:
 
     def node_parts(self) -> Storage:
         """This node's memory as one checkpoint root (levels/memory.py :class:`NodeParts`)."""
-        return NodeParts(self.node.path(""))  # type: ignore[union-attr]
+        return NodeParts(open_storage(self.node.path("")))  # type: ignore[union-attr]
 
     def part_storage(self, writer: int) -> Storage:
         """Where this rank reads ``writer``'s part on the node-local level 1."""

@@ -35,7 +35,7 @@ from ..format.entries import MANIFEST_NAME, RankRecord, data_file, index_file
 from ..format.manifest import Manifest, RankIndex, seal, unseal
 from ..format.strict_json import parse_json
 from ..save.commit import sweep
-from ..storage import Storage
+from ..storage import Storage, open_storage
 from .flush import FLUSHING
 from .memory import NodeTable, claim, in_memory_fs, job_tag, node_dir, node_key, sweep_dead_jobs
 
@@ -50,9 +50,9 @@ def rank_dir(rank: int) -> str:
     return f"rank-{rank:05d}"
 
 
-def open_storage(spec: LevelSpec) -> Storage:
+def level_storage(spec: LevelSpec) -> Storage:
     """The level's storage (a ``Storage`` given in code is used as it is)."""
-    return spec.path if isinstance(spec.path, Storage) else Storage(spec.path, dict(spec.storage_options))
+    return spec.path if isinstance(spec.path, Storage) else open_storage(spec.path, dict(spec.storage_options))
 
 
 @dataclass(frozen=True)
@@ -184,7 +184,7 @@ def open_levels(specs: Sequence[LevelSpec], comm: Comm, new_generation: Callable
     rank, world = comm.rank, comm.world_size
     memory = specs[0].memory
     key = node_key() if memory else ""
-    storages = [open_memory(specs, rank, key) if i == 0 and memory else open_storage(s) for i, s in enumerate(specs)]
+    storages = [open_memory(specs, rank, key) if i == 0 and memory else level_storage(s) for i, s in enumerate(specs)]
     for i, s in enumerate(storages):
         if s.protocol == "memory" and world > 1:
             raise CheckpointError(f"levels[{i}] ({s.describe('')}): memory:// lives in one process and cannot hold "
@@ -237,7 +237,7 @@ def open_memory(specs: Sequence[LevelSpec], rank: int, node: str) -> Storage:
     except OSError as e:
         raise CheckpointError(f"memory level: cannot create {path} ({e}); name a writable tmpfs directory as the "
                               "level's 'path'") from e
-    storage = Storage(path)
+    storage = open_storage(path)
     storage.in_memory = in_memory_fs(path)
     return storage
 

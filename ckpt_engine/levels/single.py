@@ -22,7 +22,7 @@ from ..save.commit import CommitInputs, retain, sweep, wait_for_commit, write_ab
 from ..save.persist import PersistJob
 from ..storage import Storage
 from .destination import Retention, new_generation
-from .open import Level, open_storage
+from .open import Level, level_storage
 
 
 class SingleLevel:
@@ -36,7 +36,7 @@ class SingleLevel:
     def __init__(self, spec: LevelSpec, comm: Comm, *, readonly: bool = False) -> None:
         """Open the root (a collective: rank 0 creates and sweeps it unless ``readonly``; its failure
         is raised on every rank) and agree on this incarnation's tag."""
-        storage = open_storage(spec)
+        storage = level_storage(spec)
         if storage.protocol == "memory" and comm.world_size > 1:
             raise CheckpointError(f"{spec.path!r}: memory:// lives in one process and cannot hold a checkpoint of "
                                   f"{comm.world_size} ranks; use a shared filesystem or object store")
