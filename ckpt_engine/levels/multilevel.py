@@ -17,13 +17,12 @@ from typing import Any, Callable, Sequence
 
 from ..comm import Comm
 from ..config import LevelSpec
-from ..errors import CheckpointError, CommitTimeoutError, NoCheckpointError
-from ..format.catalog import committed, manifest_dirs, parse_dir
+from ..errors import CheckpointError, CommitTimeoutError
+from ..format.catalog import committed, parse_dir
 from ..format.entries import MANIFEST_NAME, RankRecord
 from ..format.manifest import Manifest
 from ..load.agreed import Loaded
 from ..load.exchange import Exchange
-from ..load.open import open_checkpoint
 from ..save.commit import CommitInputs, retain, wait_for_commit, write_abort
 from ..save.filebuffers import BUFFERS, FileBuffers
 from ..save.persist import PersistJob
@@ -36,7 +35,7 @@ from .memory import NodeParts, check_room, remove_node_dir
 from .open import (RANK_COMMIT, Level, RankCommit, assemblable, held_catalog, local_catalog, open_levels, rank_dir,
                    write_rank_commit)
 from .replicate import Replicator, open_group
-from .restore import candidates, load_levels
+from .restore import load_levels
 
 
 class MultiLevel:
@@ -92,7 +91,7 @@ class MultiLevel:
                 flusher.offer(FlushItem(dirname, parse_dir(dirname)[0], True, "", start, start))  # type: ignore[index]
 
     # ---- saving -----------------------------------------------------------------------------------
-    def kept_buffers(self) -> int:
+    def _kept_buffers(self) -> int:
         """A memory level's snapshot buffers are its checkpoints: ``keep_last`` of them reserved,
         and, with slower levels, the two that the flushers may keep beyond them for a while (the one
         being copied and, on the other ranks, the one rank 0 chose next: levels/flush.py, ``protected``;
@@ -107,17 +106,19 @@ class MultiLevel:
         spare = 2 if self.flushers else 0
         return keep + (spare if self._room is None else max(0, min(spare, self._room - keep - 1)))
 
-    def admit(self, nbytes: int) -> None:
+    def admit(self, nbytes: int) -> int:
         """Before the first save (or at ``reserve()``), with this rank's part size: a memory level
         that cannot hold one checkpoint plus the one being written is refused with the numbers; a
-        ``budget`` lowers level 1's ``keep_last`` to what it holds (levels/memory.py)."""
+        ``budget`` lowers level 1's ``keep_last`` to what it holds (levels/memory.py). The snapshot
+        buffers its committed checkpoints keep (:meth:`_kept_buffers`)."""
         if self._admitted or self.nodes is None:
-            return
+            return self._kept_buffers()
         fits = check_room(self.node.path(""), nbytes, self.nodes.local_world(self.rank),  # type: ignore[union-attr]
                           len(self.nodes.peers(self.rank, self.memory.replicas)), self.memory.budget)
         self._keep_fast = fits if self._keep_fast is None else min(self._keep_fast, fits)
         self._room = fits + 1
         self._admitted = True
+        return self._kept_buffers()
 
     def saving(self, dirname: str, inputs: CommitInputs) -> CommitInputs | None:
         """A shared level 1 is committed by rank 0's persist worker; on a node-local one each rank
@@ -282,15 +283,6 @@ class MultiLevel:
         """:meth:`load`, with ``exchange``: the route of a shared level's large pieces, as on one level
         (a node-local level 1 exchanges its parts its own way: levels/assemble.py)."""
         return load_levels(self, self.comm, step, fallback, threads, failures, into, exchange)
-
-    def open_newest(self) -> Loaded:
-        """The newest checkpoint of the shared levels (the fastest on a tie); no communication."""
-        shared = {lv.index: manifest_dirs(lv.storage) for lv in self.levels if not lv.node_local}
-        found = candidates(shared, None, self.world_size)
-        if not found:
-            raise NoCheckpointError(f"no committed checkpoint at {self.fast.storage.describe('')}")
-        storage = self.levels[found[0].level].storage
-        return Loaded(open_checkpoint(storage, found[0].dirname), storage, found[0].level)
 
     def held(self) -> dict[str, list[tuple[int, str, int]]]:
         """The committed node-local level-1 parts this rank can read now, by writer (levels/open.py)."""

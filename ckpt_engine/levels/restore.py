@@ -42,7 +42,7 @@ from ..format.entries import data_file, index_file
 from ..format.manifest import RankIndex, check_coverage
 from ..load.agreed import Loaded, WholeRead, read_for_rank, read_whole
 from ..load.exchange import Exchange
-from ..load.open import Opened
+from ..load.open import Opened, open_checkpoint
 from ..load.search import Read, Reading, search
 from .assemble import Assembly, Parts, read_parts, whole_figures
 from .open import RANK_COMMIT, Level, Partial, RankCommit, assemblable, partial
@@ -127,6 +127,17 @@ def partial_warning(level: str, parts: Sequence[Partial], restored: str) -> str:
 
 def _ranks(ranks: Sequence[int]) -> str:
     return ", ".join(map(str, ranks))
+
+
+def open_newest_shared(levels: Sequence[Level], world_size: int) -> Loaded:
+    """The newest checkpoint of the shared levels (the fastest on a tie), opened, not read; no
+    communication (``load_local()`` before any load). :class:`NoCheckpointError` names level 1."""
+    shared = {lv.index: manifest_dirs(lv.storage) for lv in levels if not lv.node_local}
+    found = candidates(shared, None, world_size)
+    if not found:
+        raise NoCheckpointError(f"no committed checkpoint at {levels[0].storage.describe('')}")
+    storage = levels[found[0].level].storage
+    return Loaded(open_checkpoint(storage, found[0].dirname), storage, found[0].level)
 
 
 def load_levels(ml: Levels, comm: Comm, step: int | None, fallback: bool, threads: int,

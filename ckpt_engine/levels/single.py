@@ -13,11 +13,10 @@ from typing import Any
 from ..agree import on_rank0
 from ..comm import Comm, LocalComm
 from ..config import LevelSpec
-from ..errors import CheckpointError, NoCheckpointError
-from ..format.catalog import committed, manifest_dirs
+from ..errors import CheckpointError
+from ..format.catalog import committed
 from ..load.agreed import Loaded, restore
 from ..load.exchange import Exchange
-from ..load.open import open_checkpoint
 from ..save.commit import CommitInputs, retain, sweep, wait_for_commit, write_abort
 from ..save.persist import PersistJob
 from ..storage import Storage
@@ -46,12 +45,10 @@ class SingleLevel:
         self._retention = Retention()
 
     # ---- saving ---------------------------------------------------------------------------------
-    def kept_buffers(self) -> int:
-        """No snapshot buffer outlives its persist here."""
+    def admit(self, nbytes: int) -> int:
+        """Nothing to check: a path has no budget (a full storage is handled at the write, failure.py);
+        no snapshot buffer outlives its persist here."""
         return 0
-
-    def admit(self, nbytes: int) -> None:
-        """Nothing to check: a path has no budget (a full storage is handled at the write, failure.py)."""
 
     def saving(self, dirname: str, inputs: CommitInputs) -> CommitInputs | None:
         """Rank 0's persist worker commits every attempt."""
@@ -98,12 +95,6 @@ class SingleLevel:
     def restore(self, step: int | None, fallback: bool, threads: int, failures: list[str],
                 into: Any = None, exchange: Exchange | None = None) -> tuple[Any, Loaded]:
         return restore(self.storage, self.comm, step, fallback, threads, failures, into=into, exchange=exchange)
-
-    def open_newest(self) -> Loaded:
-        found = manifest_dirs(self.storage)
-        if not found:
-            raise NoCheckpointError(f"no committed checkpoint at {self.storage.describe('')}")
-        return Loaded(open_checkpoint(self.storage, found[-1][1]), self.storage)
 
 
 def _open_root(storage: Storage, readonly: bool) -> str:
