@@ -2,8 +2,9 @@
 
 Implementations: :class:`~ckpt_engine.levels.single.SingleLevel` (one path: a set of one level)
 and :class:`~ckpt_engine.levels.multilevel.MultiLevel` (a fast first level, flushed in the
-background to slower ones). A new kind of level (node memory, a peer's memory) is a new
-implementation of :class:`Destination`; the ``Checkpointer`` does not change.
+background to slower ones). A new kind of first level (node memory, a peer's memory) is a new
+:class:`~ckpt_engine.levels.first.FirstLevel` that ``MultiLevel`` composes with its flushers;
+neither the ``Checkpointer`` nor this interface changes.
 """
 
 from __future__ import annotations
