@@ -11,7 +11,7 @@ from typing import Protocol
 
 from ..config import LevelSpec
 from ..errors import CheckpointError, CommitTimeoutError
-from ..format.catalog import parse_dir
+from ..format.catalog import split_dir
 from ..save.commit import CommitInputs
 from ..save.filebuffers import BUFFERS, FileBuffers
 from ..save.persist import PersistJob
@@ -158,7 +158,7 @@ class MemoryFirst:
 
     def steps(self) -> set[int]:
         """What every rank could assemble at start, and the steps saved since whose every part this node holds now."""
-        now = {step for step, d, _ in assemblable([self.held()]) if _attempt(d).startswith(self.generation)}
+        now = {step for step, d, _ in assemblable([self.held()]) if split_dir(d)[1].startswith(self.generation)}
         return self.own.steps() | now
 
     def held(self) -> dict[str, list[tuple[int, str, int]]]:
@@ -173,8 +173,3 @@ class MemoryFirst:
         """This node's memory as one checkpoint root (levels/memory.py :class:`NodeParts`)."""
         return NodeParts(self.node.path(""))
 
-
-def _attempt(dirname: str) -> str:
-    """The attempt tag of a listed checkpoint directory."""
-    parsed = parse_dir(dirname)
-    return parsed[1] if parsed is not None else ""

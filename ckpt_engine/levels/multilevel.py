@@ -81,7 +81,7 @@ class MultiLevel:
         self.flushers = tuple(
             Flusher(fast.storage, level.storage, level=level.index, rank=self.rank, world_size=self.world_size,
                     generation=self.generation, keep_last=level.keep_last, commit_timeout=commit_timeout,
-                    retries=retries, manifest_of=self.first.manifest_of if self.rank == 0 else None, tally=tally)
+                    retries=retries, manifest_of=self.first.manifest_of, tally=tally)
             for level in self.levels[1:])
         start = time.perf_counter()
         for flusher, again in zip(self.flushers, opening.recover):

@@ -30,7 +30,7 @@ from ..agree import on_rank0
 from ..comm import Comm
 from ..config import LevelSpec
 from ..errors import CheckpointError, FormatError
-from ..format.catalog import manifest_dirs, parse_dir
+from ..format.catalog import manifest_dirs, split_dir
 from ..format.entries import MANIFEST_NAME, RankRecord, data_file, index_file
 from ..format.manifest import Manifest, RankIndex, seal, unseal
 from ..format.strict_json import parse_json
@@ -127,7 +127,7 @@ def write_rank_commit(storage: Storage, dirname: str, rank: int, template: Manif
     raw, data_bytes = written
     body = template.body()
     body.pop("ranks")
-    attempt = parse_dir(dirname)[1]  # type: ignore[index]
+    attempt = split_dir(dirname)[1]
     rc = RankCommit(template.step, rank, template.world_size, attempt, template.created_at,
                     RankRecord(rank, data_bytes, len(raw), xxhash.xxh3_64_hexdigest(raw)), body)
     storage.write_atomic(f"{dirname}/{RANK_COMMIT}", rc.to_json())
