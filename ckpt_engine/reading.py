@@ -10,6 +10,7 @@ from .comm import Comm
 from .errors import NoCheckpointError
 from .format.manifest import Manifest
 from .levels.destination import Destination
+from .levels.restore import open_newest_shared
 from .load.agreed import Loaded, Restored
 from .load.exchange import Exchange, RestoreFigures
 
@@ -72,7 +73,7 @@ class CheckpointReading:
         of the checkpoint, else a ``ValueError``).
         """
         if self._loaded is None:  # before any load(): the newest this process sees, no communication
-            self._loaded = self._dest.open_newest()
+            self._loaded = open_newest_shared(self._dest.levels, self.comm.world_size)
         return self._loaded.local(self.rank) if rank is None else self._loaded.writer_local(rank)
 
     def restore(self, step: int | None = None, *, into: Any = None, fallback: bool = True) -> Restored | None:
