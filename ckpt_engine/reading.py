@@ -53,11 +53,13 @@ class CheckpointReading:
         With ``fallback=True`` a checkpoint any of whose parts fails verification is skipped (and
         recorded in ``load_failures``) for the next newest one. Works with any world size,
         including a single process. Raises :class:`NoCheckpointError` when there is nothing.
-        Not a collective (single level): ranks may fall back differently; :meth:`restore` agrees.
+        Never a collective, whatever the levels: each process reads alone, so ranks may fall back
+        differently; :meth:`restore` is the collective that agrees.
 
-        Multi-level: every level is considered, the newest step first and the fastest level
-        first on a tie; a copy that fails verification falls back to the same step on the next
-        level (older steps only with ``fallback=True``); with several ranks this is a collective.
+        Several levels: every level this process can read alone is considered (the shared ones,
+        and a node-local level 1's checkpoints this rank's node holds whole), the newest step first
+        and the fastest level first on a tie; a copy that fails verification falls back to the same
+        step on the next level (older steps only with ``fallback=True``).
 
         ``progress=True`` draws a byte progress bar on stderr when it is a terminal (rank 0).
         """

@@ -292,10 +292,13 @@ def test_two_ranks_local_level_then_s3(node_local, tmp_path, s3_url):
         if wipe:  # a new node: level 1 is gone (node-local: one rank's part is enough)
             shutil.rmtree(tmp_path / ("node1" if node_local else "l1"))
         loaded = run_job("load", l1, s3_url, tmp_path / f"load{wipe}")
-        for r in loaded:
+        for r in loaded:  # restore(): the ranks together assemble a node-local level 1 from their parts
             assert (r["step"], r["level"]) == (6, 1 if wipe else 0)
             assert r["state"] == expected and r["local"] == digest(make_local(6, r["rank"]))
             assert r["local0"] == digest(make_local(6, 0))
+            alone = r["alone"]  # load(): each rank alone, which holds a node-local level 1 only in part
+            assert (alone["step"], alone["level"]) == (6, 1 if wipe or node_local else 0)
+            assert alone["state"] == expected and alone["local"] == digest(make_local(6, r["rank"]))
 
 
 @pytest.mark.slow
@@ -351,3 +354,36 @@ def test_sigkill_during_a_flush_never_shows_a_partial_checkpoint(tmp_path):
     step = ck.latest_step()
     assert digest(ck.load()) == digest(make_state(step)) and ck.loaded_level == 0
     ck.close()
+
+
+def test_load_is_never_a_collective_on_several_levels_as_on_one(tmp_path):
+    """``load()`` of several levels on several ranks was a collective (one level's never was): a rank that
+    loaded alone waited for the others. Now each process reads alone on any levels; ``restore()`` is the
+    collective. Here the communicator refuses any call after the saves, and each of 3 ranks loads alone,
+    its own ``local`` included."""
+    from ckpt_engine.testing import run_ranks
+
+    def rank(comm, levels):
+        ck = Checkpointer(levels=levels, comm=comm)
+        ck.save(state(2), 2, local={"rank": comm.rank})
+        ck.wait(flush=True)
+        gather, broadcast = comm.all_gather, comm.broadcast
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("load() communicated")
+
+        comm.all_gather = comm.broadcast = refuse
+        try:
+            loaded = ck.load()
+            seen = (ck.loaded_manifest.step, ck.loaded_level, ck.load_local())
+        finally:
+            comm.all_gather, comm.broadcast = gather, broadcast
+        ck.close()
+        return loaded, seen
+
+    levels = [str(tmp_path / "a"), str(tmp_path / "b")]
+    for r, got in enumerate(run_ranks(3, lambda comm: rank(comm, levels))):
+        assert not isinstance(got, BaseException), got
+        loaded, seen = got
+        assert_same(loaded, state(2))
+        assert seen == (2, 0, {"rank": r})

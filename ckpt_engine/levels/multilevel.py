@@ -15,7 +15,7 @@ import time
 import warnings
 from typing import Any, Sequence
 
-from ..comm import Comm
+from ..comm import Comm, LocalComm
 from ..config import LevelSpec
 from ..errors import CheckpointError, CommitTimeoutError
 from ..format.catalog import committed
@@ -212,8 +212,9 @@ class MultiLevel:
 
     def load(self, step: int | None, fallback: bool, threads: int, failures: list[str],
              progress: bool, into: Any = None) -> tuple[Any, Loaded]:
-        """A collective with several ranks (levels/restore.py); ``progress`` is not drawn here."""
-        return load_levels(self, self.comm, step, fallback, threads, failures, into)
+        """This process alone, as :meth:`restore` would choose with one rank (levels/restore.py): the
+        shared levels and the node-local checkpoints this rank holds whole; ``progress`` is not drawn."""
+        return load_levels(self, LocalComm(), step, fallback, threads, failures, into, rank=self.rank)
 
     def restore(self, step: int | None, fallback: bool, threads: int, failures: list[str],
                 into: Any = None, exchange: Exchange | None = None) -> tuple[Any, Loaded]:

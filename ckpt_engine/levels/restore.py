@@ -134,20 +134,32 @@ def open_newest_shared(levels: Sequence[Level], world_size: int) -> Loaded:
 
 
 def load_levels(ml: Levels, comm: Comm, step: int | None, fallback: bool, threads: int,
-                failures: list[str], into: Any = None, exchange: Exchange | None = None) -> tuple[Any, Loaded]:
+                failures: list[str], into: Any = None, exchange: Exchange | None = None, *,
+                rank: int | None = None) -> tuple[Any, Loaded]:
     """Every rank: ``(state, loaded)`` of the newest checkpoint (or ``step``) that verifies on all
     ranks (``into`` filled in place from it, when given: load/into.py); see the module docstring.
     The candidates are tried by the one search of load/search.py (which errors fall back, which end
     it); ``exchange``: the route of a shared level's large pieces (load/exchange.py), as on one level.
 
-    Appends what failed to ``failures``. Raises :class:`NoCheckpointError` when no level has one.
+    ``rank`` given (with a ``LocalComm``): this process alone, as rank ``rank`` (``load()``): the
+    shared levels, and the node-local level-1 checkpoints this rank holds every part of (a memory
+    level: its node's own and replicas); no word of those it holds in part, which ``restore()`` may
+    assemble across ranks. Appends what failed to ``failures``. Raises :class:`NoCheckpointError`
+    when no level has one.
     """
     ml.assembly = None
+    alone = rank is not None
+    rank = comm.rank if rank is None else rank
     found, parts = _agree(ml, comm, step)
+    if alone:
+        parts = []
     names = ", ".join(level.name for level in ml.levels)
     if not found:
         which = "" if step is None else f" of step {step}"
         message = f"no committed checkpoint{which} on any level ({names}); committed steps: {ml.steps()}"
+        if alone and ml.first.level.node_local:
+            message += ("; this process alone reads only the checkpoints its node holds whole: restore() (every "
+                        "rank together) assembles the node-local ones across the ranks")
         if parts:  # the front ends start afresh on this error: not without a word
             lost = partial_warning(ml.first.level.name, parts, "no other checkpoint to restore")
             warnings.warn(CheckpointWarning(lost), stacklevel=4)
@@ -156,15 +168,15 @@ def load_levels(ml: Levels, comm: Comm, step: int | None, fallback: bool, thread
 
     def read(c: Candidate) -> Reading[tuple[tuple[Any, Loaded], Assembly | None]]:
         if c.whole:
-            return Read(_read_node_whole(ml, c, threads, comm.rank, into))
+            return Read(_read_node_whole(ml, c, threads, rank, into))
         if c.node_local:
-            mine = read_parts(ml.first.level, ml.first.part_storage, c.step, c.dirname, c.readers, comm.rank)
+            mine = read_parts(ml.first.level, ml.first.part_storage, c.step, c.dirname, c.readers, rank)
             return _Assembling(mine, comm, into)
         level = ml.levels[c.level]
-        return _Shared(read_whole(level.storage, c.dirname, comm.rank, threads, into=into, exchange=exchange,
+        return _Shared(read_whole(level.storage, c.dirname, rank, threads, into=into, exchange=exchange,
                                   level=level.index))
 
-    c, (done, ml.assembly) = search(found, read, comm, rank=comm.rank, fallback=fallback, failures=failures,
+    c, (done, ml.assembly) = search(found, read, comm, rank=rank, fallback=fallback, failures=failures,
                                     where=lambda c: f"{ml.levels[c.level].name} {c.dirname}",
                                     scope=f"on any level ({names})")
     skipped = [p for p in parts if p.step > c.step]
