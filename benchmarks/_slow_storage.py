@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Any, Iterator
 
-from ckpt_engine.storage import Storage
+from ckpt_engine.storage import StorageWrapper
 
 SLOW: dict[str, Any] = {"on": False, "seconds_per_byte": 0.0, "writes": 0, "bytes": 0, "slept_s": 0.0}
 """Switch and rate of :class:`SlowStorage`; ``writes``, ``bytes`` and ``slept_s`` count what it slowed."""
@@ -25,7 +25,7 @@ def throttle(mb_per_s: float) -> None:
     SLOW.update(on=True, seconds_per_byte=1.0 / (mb_per_s * 1e6), writes=0, bytes=0, slept_s=0.0)
 
 
-class SlowStorage(Storage):
+class SlowStorage(StorageWrapper):
     """Local storage whose data-file writes (``write_stream``) take at least ``bytes * seconds_per_byte``
     once :data:`SLOW` is on: the writing thread sleeps what the real write left of that time. A stream
     (an iterable whose every ``iter()`` is a fresh pass, such as a flush from another level, whose chunks

@@ -594,7 +594,7 @@ def bench_levels(size_mib: int, reps: int, workdir: str) -> tuple[dict[str, Any]
     except ImportError as e:
         return {}, f"multi-level section skipped: {e} (install the test extra: pip install 'ckpt-suite[test]')"
     from ckpt_engine import Checkpointer
-    from ckpt_engine.storage import Storage
+    from ckpt_engine.storage import open_storage
 
     state = make_state(StateSpec(size_mib))
     server = s3server.start()
@@ -602,7 +602,7 @@ def bench_levels(size_mib: int, reps: int, workdir: str) -> tuple[dict[str, Any]
     os.environ.update(server.env)
     s3server.make_bucket(server, "bench")
     run = uuid.uuid4().hex[:8]
-    raw, data = Storage(f"s3://bench/raw-{run}"), bytes(state_bytes(state))
+    raw, data = open_storage(f"s3://bench/raw-{run}"), bytes(state_bytes(state))
     try:
         with tempfile.TemporaryDirectory(dir=workdir) as local:
             rows = {"s3 direct": _level_saves(Checkpointer(f"s3://bench/direct-{run}", keep_last=1), state, reps),

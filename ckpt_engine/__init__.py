@@ -13,12 +13,13 @@ from .errors import (CheckpointError, CheckpointWarning, CommitTimeoutError, Cor
 from .interop import export
 from .load.agreed import Restored
 from .save.tally import SaveRecord
-from .storage import Storage
+from .storage import Storage, StorageWrapper, open_storage
 from .training.ddp_buckets import DDPBucketOrder
 from .training.resumable import ResumableSampler, rng_state, set_rng_state
 
 __all__ = [
     "Checkpointer", "SaveHandle", "SaveRecord", "Restored", "CheckpointConfig", "Storage",
+    "open_storage", "StorageWrapper",
     "ResumableSampler", "rng_state", "set_rng_state", "DDPBucketOrder",
     "export", "import_dcp", "read_dcp",
     "Comm", "LocalComm", "TorchDistComm",

@@ -248,9 +248,8 @@ class Checkpointer(CheckpointReading):
         self._check_open()
         # the plan includes the staging areas
         lay, plan = self._snapshots.plan(encode(state, "state"), encode(local, "local", sharded=False))
-        self._dest.admit(lay.nbytes)
-        self._pool.reserve(plan.nbytes, pinned=bool(plan.devices), kept=self._dest.kept_buffers(),
-                           background=background)
+        kept = self._dest.admit(lay.nbytes)
+        self._pool.reserve(plan.nbytes, pinned=bool(plan.devices), kept=kept, background=background)
 
     def wait(self, *, retention: bool = False, flush: bool = False, timeout: float | None = None) -> None:
         """Block until every pending save is committed (or dropped); re-raise a background error.

@@ -10,6 +10,7 @@ from .comm import Comm
 from .errors import NoCheckpointError
 from .format.manifest import Manifest
 from .levels.destination import Destination
+from .levels.restore import open_newest_shared
 from .load.agreed import Loaded, Restored
 from .load.exchange import Exchange, RestoreFigures
 
@@ -52,11 +53,13 @@ class CheckpointReading:
         With ``fallback=True`` a checkpoint any of whose parts fails verification is skipped (and
         recorded in ``load_failures``) for the next newest one. Works with any world size,
         including a single process. Raises :class:`NoCheckpointError` when there is nothing.
-        Not a collective (single level): ranks may fall back differently; :meth:`restore` agrees.
+        Never a collective, whatever the levels: each process reads alone, so ranks may fall back
+        differently; :meth:`restore` is the collective that agrees.
 
-        Multi-level: every level is considered, the newest step first and the fastest level
-        first on a tie; a copy that fails verification falls back to the same step on the next
-        level (older steps only with ``fallback=True``); with several ranks this is a collective.
+        Several levels: every level this process can read alone is considered (the shared ones,
+        and a node-local level 1's checkpoints this rank's node holds whole), the newest step first
+        and the fastest level first on a tie; a copy that fails verification falls back to the same
+        step on the next level (older steps only with ``fallback=True``).
 
         ``progress=True`` draws a byte progress bar on stderr when it is a terminal (rank 0).
         """
@@ -72,7 +75,7 @@ class CheckpointReading:
         of the checkpoint, else a ``ValueError``).
         """
         if self._loaded is None:  # before any load(): the newest this process sees, no communication
-            self._loaded = self._dest.open_newest()
+            self._loaded = open_newest_shared(self._dest.levels, self.comm.world_size)
         return self._loaded.local(self.rank) if rank is None else self._loaded.writer_local(rank)
 
     def restore(self, step: int | None = None, *, into: Any = None, fallback: bool = True) -> Restored | None:

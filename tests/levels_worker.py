@@ -79,11 +79,13 @@ def main() -> None:
         ck.close()
         result.update(seen=seen, counters=dict(ck.counters), stalls=[r.stall_s for r in ck.records],
                       flushes=[r.__dict__ for r in ck.flush_records])
-    elif mode == "load":
-        state = ck.load()
-        result.update(state=digest(state), step=ck.loaded_manifest.step, level=ck.loaded_level,
-                      local=digest(ck.load_local()), local0=digest(ck.load_local(rank=0)),
-                      failures=ck.load_failures)
+    elif mode == "load":  # restore(): every rank together; load(): this process alone
+        r = ck.restore()
+        result.update(state=digest(r.state), step=r.step, level=r.level, local=digest(r.local),
+                      local0=digest(r.first), failures=ck.load_failures)
+        alone = ck.load()
+        result.update(alone={"state": digest(alone), "step": ck.loaded_manifest.step, "level": ck.loaded_level,
+                             "local": digest(ck.load_local())})
         ck.close()
     elif mode == "crashloop":
         ck.wait(flush=True)

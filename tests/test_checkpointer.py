@@ -13,7 +13,7 @@ import torch
 
 from ckpt_engine import Checkpointer, CheckpointError, LocalComm, NoCheckpointError
 from ckpt_engine.format.catalog import attempt_dirs
-from ckpt_engine.storage import Storage
+from ckpt_engine.storage import open_storage
 from ckpt_engine.testing import GatedStorage
 from helpers import assert_same
 
@@ -248,7 +248,7 @@ def test_unsupported_state_fails_on_the_training_side_naming_the_key(memory_url)
 
 
 def test_storage_instance_can_be_passed(memory_url):
-    with Checkpointer(Storage(memory_url)) as ck:
+    with Checkpointer(open_storage(memory_url)) as ck:
         ck.save({"a": torch.ones(2)}, 1)
         ck.wait()
         assert ck.steps() == [1]

@@ -25,7 +25,7 @@ import torch
 from ckpt_engine import Checkpointer
 from ckpt_engine.format.catalog import manifest_dirs
 from ckpt_engine.cli import main
-from ckpt_engine.storage import Storage
+from ckpt_engine.storage import open_storage
 from dist_worker import make_local, make_state
 from helpers import assert_same, bits
 from ranks import write_two_ranks
@@ -119,7 +119,7 @@ def test_verify_ok_and_missing_step(where, request, capsys):
 
 @pytest.mark.slow
 def test_verify_names_the_damaged_file_and_tensor(local_copy, capsys):
-    name = manifest_dirs(Storage(local_copy))[-1][1]
+    name = manifest_dirs(open_storage(local_copy))[-1][1]
     path = f"{local_copy}/{name}/rank-00001.bin"
     with open(path, "r+b") as f:
         f.seek(100)
@@ -140,7 +140,7 @@ def test_verify_names_the_damaged_file_and_tensor(local_copy, capsys):
 
 @pytest.mark.slow
 def test_damaged_manifest_fails_verify_and_is_kept_by_gc(local_copy, capsys):
-    name = manifest_dirs(Storage(local_copy))[-1][1]
+    name = manifest_dirs(open_storage(local_copy))[-1][1]
     with open(f"{local_copy}/{name}/manifest.json", "r+b") as f:
         f.truncate(100)
     assert main(["verify", local_copy]) == 1
@@ -381,7 +381,7 @@ def test_gc_dry_run_then_delete(local_copy, capsys):
 @pytest.mark.slow
 def test_gc_on_s3_spares_committed_and_young_leftovers(s3_server, s3_root, capsys):
     root = f"s3://ckpt/gc-{uuid.uuid4().hex[:8]}"
-    st = Storage(root)
+    st = open_storage(root)
     st.write_atomic("step-000000000001-eeeeeeeeeeee00000001/rank-00000.bin", b"x" * 10)
     with Checkpointer(root) as ck:  # its start-up sweep would delete the leftover: write that afterwards
         ck.save({"w": torch.ones(4)}, 2)

@@ -14,8 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 from ckpt_engine import Checkpointer, LocalComm
 from ckpt_engine.save.buffers import HostBuffer
-from ckpt_engine.save.copy import (COPY_CHUNK, SPLIT_MIN, CopyCalls, copy_into, group, moves, piece_moves, plan_copy,
-                                   split)
+from ckpt_engine.save.copy import SPLIT_MIN, CopyCalls, copy_into, group, moves, piece_moves, plan_copy, split
 from ckpt_engine.save.snapshot import Snapshots
 from ckpt_engine.state.values import encode
 

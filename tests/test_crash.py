@@ -33,7 +33,7 @@ import pytest
 from ckpt_engine import Checkpointer
 from ckpt_engine.format.catalog import LATEST, attempt_dirs, manifest_dirs, parse_dir
 from ckpt_engine.format.entries import MANIFEST_NAME, data_file, index_file
-from ckpt_engine.storage import Storage
+from ckpt_engine.storage import Storage, open_storage
 from ckpt_engine.testing import CRASH_INSTANTS, RENAME_INSTANTS
 from dist_worker import digest, make_state
 from ranks import kill_job, lines_of, start_ranks
@@ -202,7 +202,7 @@ class Job:
 @pytest.mark.parametrize("backend", ["local", pytest.param("s3", marks=pytest.mark.s3)])
 def test_crash_at_each_named_instant_and_a_seeded_sample(backend, tmp_path, request):
     root = f"{request.getfixturevalue('s3_url')}/crash" if backend == "s3" else str(tmp_path / "ck")
-    storage = Storage(root)
+    storage = open_storage(root)
     least: int | None = None  # what the next restart must restore: exactly (named kills), or at least
     for instant in named(backend):
         s = (least or 1) + 2  # a save of this incarnation committed first (`latest`, retention), s - 2 kept

@@ -12,7 +12,7 @@ import torch
 
 from ckpt_engine import Checkpointer
 from ckpt_engine.format.catalog import LATEST, manifest_dirs
-from ckpt_engine.storage import Storage
+from ckpt_engine.storage import open_storage
 from ckpt_engine.testing import CRASH_INSTANTS, RENAME_INSTANTS, CrashStorage
 
 
@@ -56,7 +56,7 @@ def test_each_instant_fires_once_at_its_file_of_the_step_named(tmp_path, instant
     if instant == "torn-retention":  # the first removal after the commit: step 1's manifest
         assert rel.startswith("step-000000000001-") and fired == instant
         return
-    step_dir = manifest_dirs(Storage(str(tmp_path)))  # what is committed after the failure
+    step_dir = manifest_dirs(open_storage(str(tmp_path)))  # what is committed after the failure
     assert rel.endswith(WHERE[instant]) and (rel == LATEST or rel.startswith("step-000000000002-")), rel
     if instant == "torn-data":
         written, total = map(int, detail.split("/"))

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ckpt_engine import Checkpointer, CheckpointWarning, DiskFullError
-from ckpt_engine.storage import Storage
+from ckpt_engine.storage import StorageWrapper, open_storage
 from ckpt_engine.testing import SequentialComm
 from ckpt_engine.testing import FailingStorage
 from helpers import mounted_tmpfs
@@ -38,7 +38,7 @@ def used_bytes(root) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
 
 
-class QuotaStorage(Storage):
+class QuotaStorage(StorageWrapper):
     """The real local storage on a "disk" of ``quota`` bytes (every file below the root counts):
     a write that does not fit writes what does, then fails with ENOSPC, as a full device does."""
 
@@ -146,7 +146,7 @@ def test_two_ranks_one_disk_full_nothing_committed_every_rank_file_removed(tmp_p
     partial file, rank 0 removes every rank's data and index files (abort markers stay until the
     next commit's retention), and the next save of both ranks commits."""
     comm0, comm1 = SequentialComm.group(2)
-    r0 = Checkpointer(Storage(str(tmp_path)), comm=comm0, on_error="warn")
+    r0 = Checkpointer(open_storage(str(tmp_path)), comm=comm0, on_error="warn")
     failing = FailingStorage(str(tmp_path))
     r1 = Checkpointer(failing, comm=comm1, on_error="warn")
     for ck in (r0, r1):

@@ -14,7 +14,7 @@ import pytest
 
 from ckpt_engine import Checkpointer
 from ckpt_engine.format.catalog import committed, manifest_dirs
-from ckpt_engine.storage import Storage
+from ckpt_engine.storage import open_storage
 from dist_worker import digest, make_local, make_state
 from ranks import run_ranks, start_ranks
 import thread_ranks
@@ -33,7 +33,7 @@ def written(tmp_path_factory):
 
 
 def check_shares(root: str, world: int) -> None:
-    storage = Storage(root)
+    storage = open_storage(root)
     name = manifest_dirs(storage)[-1][1]
     files = sorted(f for f in os.listdir(os.path.join(root, name)) if f.endswith(".bin"))
     assert files == [f"rank-{r:05d}.bin" for r in range(world)]

@@ -171,6 +171,28 @@ def test_docs_and_examples_import_only_what_the_packages_export() -> None:
     assert not wrong, "\n".join(wrong)
 
 
+OLD_NAMES = re.compile(r"\b(?:every_n_steps|every_seconds|final_checkpoint)\s*[=:]|\bextra\s*=\s*\{|"
+                       r"(?:Checkpoint|HorovodCheckpointer|DurableTorchState|CheckpointConfig)\([^)]*\bpath\s*=|"
+                       r"^path:", re.MULTILINE)
+"""The first release's flag names (``path``, ``every_n_steps``, ``every_seconds``, ``final_checkpoint``,
+``extra=``) as a user would write them in code or YAML; a level's own ``path:`` is indented or inline."""
+
+
+def _code_blocks(markdown: str) -> str:
+    return "\n".join(re.findall(r"^```[a-z]*\n(.*?)^```", markdown, flags=re.MULTILINE | re.DOTALL))
+
+
+def test_readme_docs_and_examples_use_only_the_flag_names_of_now() -> None:
+    """The old names work one release behind a DeprecationWarning (tests/test_public_api.py); what users
+    copy, the README's and the docs' code blocks and the examples, spells only the names of now."""
+    texts = {str(p.relative_to(ROOT)): _code_blocks(p.read_text(encoding="utf-8"))
+             for p in [README, *sorted(DOCS.glob("*.md"))]}
+    texts.update({str(p.relative_to(ROOT)): p.read_text(encoding="utf-8")
+                  for p in sorted((ROOT / "examples").iterdir()) if p.suffix in (".py", ".yaml", ".yml")})
+    found = [f"{name}: {m.group(0)!r}" for name, text in texts.items() for m in OLD_NAMES.finditer(text)]
+    assert not found, f"old flag names where users copy from: {found}"
+
+
 @pytest.mark.slow
 def test_mkdocs_build_strict(tmp_path: Path) -> None:
     if importlib.util.find_spec("mkdocs") is None:

@@ -21,7 +21,7 @@ from ckpt_engine.format.catalog import manifest_dirs
 from ckpt_engine.load.open import open_checkpoint
 from ckpt_engine.load.read import read_state, tensor_reader
 from ckpt_engine.state.values import encode
-from ckpt_engine.storage import Storage
+from ckpt_engine.storage import open_storage
 from helpers import assert_same, bits
 
 
@@ -83,7 +83,7 @@ def test_safetensors_parts_clone_shared_memory_and_keep_values_as_json():
 def test_export_complex128_to_safetensors_fails_with_advice(tmp_path):
     with Checkpointer(str(tmp_path / "ck")) as ck:
         ck.save({"z": torch.zeros(2, dtype=torch.complex128)}, 1)
-    st = Storage(str(tmp_path / "ck"))
+    st = open_storage(str(tmp_path / "ck"))
     opened = open_checkpoint(st, manifest_dirs(st)[-1][1])
     with pytest.raises(CheckpointError, match="--format torch"):
         export(st, opened, str(tmp_path / "z.safetensors"), fmt="safetensors")
@@ -98,7 +98,7 @@ def test_tensor_reader_streams_the_same_tensors_as_read_state(tmp_path):
     state = {"a": torch.randn(1000), "b": torch.arange(10), "c": torch.rand(3, 3) > 0.5}
     with Checkpointer(str(tmp_path)) as ck:
         ck.save(state, 1)
-    st = Storage(str(tmp_path))
+    st = open_storage(str(tmp_path))
     opened = open_checkpoint(st, manifest_dirs(st)[-1][1])
     seen = []
     read = tensor_reader(st, opened, progress=seen.append)

@@ -13,7 +13,7 @@ import torch
 from ckpt_engine import Checkpointer, CheckpointError, CorruptionError
 from ckpt_engine.errors import FormatError
 from ckpt_engine.format.catalog import manifest_dirs
-from ckpt_engine.storage import Storage
+from ckpt_engine.storage import Storage, StorageWrapper, open_storage
 from ckpt_engine.testing import FailingStorage
 
 
@@ -29,7 +29,7 @@ def saved(tmp_path, steps=(1, 2)) -> str:
 
 
 def _storage(root) -> Storage:
-    return Storage(root)
+    return open_storage(root)
 
 
 def newest_dir(root) -> str:
@@ -181,7 +181,7 @@ def test_load_with_fallback_returns_the_newest_checkpoint_that_verifies(tmp_path
     assert ck.load_local() == {"step": 1}  # local comes from the same checkpoint
 
 
-class NoLatestStorage(Storage):
+class NoLatestStorage(StorageWrapper):
     """The real storage, except that updating the ``latest`` hint fails (a full or read-only root
     where the checkpoint's own directory could still be written)."""
 

@@ -24,7 +24,7 @@ from ckpt_engine.cli import main
 from ckpt_engine.format.catalog import manifest_dirs
 from ckpt_engine.host import headroom, hugepages
 from ckpt_engine.host.headroom import Headroom
-from ckpt_engine.storage import Storage
+from ckpt_engine.storage import open_storage
 
 TIB = 1 << 40
 
@@ -152,7 +152,7 @@ def allocations(monkeypatch) -> list[int]:
 
 
 def _newest(root: str) -> str:
-    return manifest_dirs(Storage(root))[-1][1]
+    return manifest_dirs(open_storage(root))[-1][1]
 
 
 def _names_everything(message: str, root: str, dirname: str, tensor: str, needed: int, room: int | None = None) -> None:

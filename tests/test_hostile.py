@@ -33,7 +33,7 @@ from ckpt_engine.format.catalog import manifest_dirs
 from ckpt_engine.format.manifest import seal, unseal
 from ckpt_engine.load.open import open_checkpoint
 from ckpt_engine.load.read import read_local, read_state
-from ckpt_engine.storage import Storage
+from ckpt_engine.storage import open_storage
 from ckpt_engine.testing import SequentialComm, run_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,7 +63,7 @@ def write(root, steps=(1, 2), world: int = 1) -> str:
 
 
 def dirs(root: str) -> list[str]:
-    return [d for _, d in manifest_dirs(Storage(root))]
+    return [d for _, d in manifest_dirs(open_storage(root))]
 
 
 def manifest_body(root: str, dirname: str) -> dict:
@@ -422,7 +422,7 @@ def test_random_mutations_only_ever_raise_format_or_corruption_errors(fuzz_root,
             reseal_text(fuzz_root, dirname, json.dumps(_mutate(data, body)))
         else:
             rewrite_index(fuzz_root, dirname, 0, lambda b: _mutate_in(data, b))
-        storage = Storage(fuzz_root)
+        storage = open_storage(fuzz_root)
         try:
             ck = open_checkpoint(storage, dirname)
             read_state(storage, ck)

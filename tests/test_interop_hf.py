@@ -21,7 +21,7 @@ from ckpt_engine.errors import CheckpointError, CorruptionError
 from ckpt_engine.format.catalog import manifest_dirs
 from ckpt_engine.interop.hf import INDEX, WEIGHTS, Weight, export_hf, parse_size, shard, shard_names
 from ckpt_engine.load.open import open_checkpoint
-from ckpt_engine.storage import Storage
+from ckpt_engine.storage import open_storage
 from helpers import bits
 
 needs_transformers = pytest.mark.skipif(
@@ -32,7 +32,7 @@ needs_safetensors = pytest.mark.skipif(importlib.util.find_spec("safetensors") i
 
 
 def _opened(root: str):
-    st = Storage(root)
+    st = open_storage(root)
     return st, open_checkpoint(st, manifest_dirs(st)[-1][1])
 
 
@@ -149,12 +149,12 @@ _PEAK = """
 import json, sys
 from ckpt_engine.load.open import open_newest
 from ckpt_engine.interop.hf import export_hf
-from ckpt_engine.storage import Storage
+from ckpt_engine.storage import open_storage
 
 def peak():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) << 10
 
-storage = Storage(sys.argv[1])
+storage = open_storage(sys.argv[1])
 opened = open_newest(storage, None)
 open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) restarts from the current RSS
 before = peak()

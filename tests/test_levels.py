@@ -29,7 +29,7 @@ from ckpt_engine.levels.single import SingleLevel
 from ckpt_engine.levels.transfer import copy_rank
 from ckpt_engine.load.open import open_checkpoint
 from ckpt_engine.load.read import verify
-from ckpt_engine.storage import Storage
+from ckpt_engine.storage import open_storage
 from ckpt_engine.testing import FailingStorage, GatedStorage
 from dist_worker import digest, make_local, make_state
 from helpers import assert_same
@@ -49,7 +49,7 @@ def flip(path, pos: int = 100) -> None:
 
 
 def newest_dir(root: str) -> str:
-    return manifest_dirs(Storage(root))[-1][1]
+    return manifest_dirs(open_storage(root))[-1][1]
 
 
 # ---- pure parts ----------------------------------------------------------------------------------
@@ -74,14 +74,14 @@ def test_a_node_local_copy_counts_only_when_every_rank_has_it_from_as_many_write
 def test_copy_streams_checks_and_writes_the_index_last(tmp_path):
     with Checkpointer(str(tmp_path / "src")) as ck:
         ck.save(state(1), 1, {"rng": torch.arange(9)})
-    src, dst = Storage(str(tmp_path / "src")), Storage(str(tmp_path / "dst"))
+    src, dst = open_storage(str(tmp_path / "src")), open_storage(str(tmp_path / "dst"))
     name = newest_dir(str(tmp_path / "src"))
     assert copy_rank(src, dst, name, 0, chunk=1000) > 240_000  # many chunks, each checked on the way
     for f in (data_file(0), index_file(0)):
         assert (tmp_path / "dst" / name / f).read_bytes() == (tmp_path / "src" / name / f).read_bytes()
     flip(tmp_path / "src" / name / data_file(0), 150_000)
     with pytest.raises(CheckpointError, match=r"rank-00000\.bin: checksum mismatch in tensor #0"):
-        copy_rank(src, Storage(str(tmp_path / "dst2")), name, 0, chunk=4096)
+        copy_rank(src, open_storage(str(tmp_path / "dst2")), name, 0, chunk=4096)
     assert not (tmp_path / "dst2" / name / index_file(0)).exists()  # so never part of a commit
 
 
@@ -101,7 +101,7 @@ def test_checkpoints_reach_both_levels_and_restore_from_either(tmp_path):
     name = newest_dir(l1)
     manifests = [(tmp_path / level / name / MANIFEST_NAME).read_bytes() for level in ("l1", "l2")]
     assert manifests[0] == manifests[1]  # the same commit on both levels, byte for byte
-    assert [s for s, _ in manifest_dirs(Storage(l1))] == [3, 4]  # keep_last 2 on level 1, once flushed
+    assert [s for s, _ in manifest_dirs(open_storage(l1))] == [3, 4]  # keep_last 2 on level 1, once flushed
     shutil.rmtree(l1)  # a new node: the fast level is gone
     with Checkpointer(levels=[l1, l2]) as ck:
         assert_same(ck.load(), state(4))
@@ -135,7 +135,7 @@ def test_from_config_builds_one_or_several_levels(tmp_path):
         assert [lv.keep_last for lv in ck._dest.levels] == [3, 1] and ck._pool.max_inflight == 2
         ck.save(state(1), 1)
         ck.wait(flush=True)
-    assert manifest_dirs(Storage(str(tmp_path / "b")))
+    assert manifest_dirs(open_storage(str(tmp_path / "b")))
     with Checkpointer.from_config(CheckpointConfig(dirpath=str(tmp_path / "c"), keep_last=1)) as ck:
         assert isinstance(ck._dest, SingleLevel) and ck.keep_last == 1
 
@@ -156,7 +156,7 @@ def test_a_stuck_level2_skips_older_checkpoints_and_never_stalls_training(tmp_pa
     assert counters["flushed"] == 2 and counters["flush_skipped"] == 8  # step 1 (held), then the newest
     assert [(f.step, f.lag_steps) for f in flushes if f.committed] == [(1, 9), (10, 0)]
     assert [s for s, _ in manifest_dirs(gated)] == [1, 10]
-    assert [s for s, _ in manifest_dirs(Storage(str(tmp_path / "l1")))] == [9, 10]
+    assert [s for s, _ in manifest_dirs(open_storage(str(tmp_path / "l1")))] == [9, 10]
 
 
 def test_level1_retention_keeps_the_checkpoint_level2_still_lacks(tmp_path):
@@ -167,7 +167,7 @@ def test_level1_retention_keeps_the_checkpoint_level2_still_lacks(tmp_path):
         ck.wait(retention=True)
         if step == 1:  # the flusher holds step 1 at the gate before step 2 exists (no race with it)
             assert gated.blocked.wait(60)
-    l1 = Storage(str(tmp_path / "l1"))
+    l1 = open_storage(str(tmp_path / "l1"))
     assert [s for s, _ in manifest_dirs(l1)] == [1, 4]  # 1: being copied; 4: the newest
     gated.gate.set()
     ck.close()
@@ -219,7 +219,7 @@ def test_a_restart_flushes_the_newest_level1_checkpoint_again(tmp_path):
     open(os.path.join(l2, "step-000000000003-deadbeef000000000001", "rank-00000.bin"), "wb").write(b"partial")
     with Checkpointer(levels=[l1, l2]) as ck:
         ck.wait(flush=True)
-    assert attempt_dirs(Storage(l2)) == [newest_dir(l1)]  # the partial one swept, step 3 flushed anew
+    assert attempt_dirs(open_storage(l2)) == [newest_dir(l1)]  # the partial one swept, step 3 flushed anew
     assert_same(Checkpointer(l2).load(), state(3))
 
 
@@ -292,10 +292,13 @@ def test_two_ranks_local_level_then_s3(node_local, tmp_path, s3_url):
         if wipe:  # a new node: level 1 is gone (node-local: one rank's part is enough)
             shutil.rmtree(tmp_path / ("node1" if node_local else "l1"))
         loaded = run_job("load", l1, s3_url, tmp_path / f"load{wipe}")
-        for r in loaded:
+        for r in loaded:  # restore(): the ranks together assemble a node-local level 1 from their parts
             assert (r["step"], r["level"]) == (6, 1 if wipe else 0)
             assert r["state"] == expected and r["local"] == digest(make_local(6, r["rank"]))
             assert r["local0"] == digest(make_local(6, 0))
+            alone = r["alone"]  # load(): each rank alone, which holds a node-local level 1 only in part
+            assert (alone["step"], alone["level"]) == (6, 1 if wipe or node_local else 0)
+            assert alone["state"] == expected and alone["local"] == digest(make_local(6, r["rank"]))
 
 
 @pytest.mark.slow
@@ -308,8 +311,8 @@ def test_two_ranks_stuck_level2_never_stalls_skips_counted_retention_right(tmp_p
     assert [l2 for _, l2 in two[0]["seen"]] == [None] * 12
     counters = two[0]["counters"]
     assert counters["committed"] == 12 and (counters["flushed"], counters["flush_skipped"]) == (2, 10), counters
-    assert [s for s, _ in manifest_dirs(Storage(str(tmp_path / "l1")))] == [11, 12]
-    l2 = Storage(str(tmp_path / "l2"))
+    assert [s for s, _ in manifest_dirs(open_storage(str(tmp_path / "l1")))] == [11, 12]
+    l2 = open_storage(str(tmp_path / "l2"))
     assert [s for s, _ in manifest_dirs(l2)] == [1, 12]
     assert set(attempt_dirs(l2)) == {d for _, d in manifest_dirs(l2)}  # skipped flushes left nothing behind
 
@@ -318,7 +321,7 @@ def test_two_ranks_stuck_level2_never_stalls_skips_counted_retention_right(tmp_p
 @pytest.mark.integration
 def test_sigkill_during_a_flush_never_shows_a_partial_checkpoint(tmp_path):
     l1, l2 = str(tmp_path / "l1"), str(tmp_path / "l2")
-    storage = Storage(l2)
+    storage = open_storage(l2)
 
     def partial() -> list[str]:
         done = {d for _, d in manifest_dirs(storage)}
@@ -351,3 +354,36 @@ def test_sigkill_during_a_flush_never_shows_a_partial_checkpoint(tmp_path):
     step = ck.latest_step()
     assert digest(ck.load()) == digest(make_state(step)) and ck.loaded_level == 0
     ck.close()
+
+
+def test_load_is_never_a_collective_on_several_levels_as_on_one(tmp_path):
+    """``load()`` of several levels on several ranks was a collective (one level's never was): a rank that
+    loaded alone waited for the others. Now each process reads alone on any levels; ``restore()`` is the
+    collective. Here the communicator refuses any call after the saves, and each of 3 ranks loads alone,
+    its own ``local`` included."""
+    from ckpt_engine.testing import run_ranks
+
+    def rank(comm, levels):
+        ck = Checkpointer(levels=levels, comm=comm)
+        ck.save(state(2), 2, local={"rank": comm.rank})
+        ck.wait(flush=True)
+        gather, broadcast = comm.all_gather, comm.broadcast
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("load() communicated")
+
+        comm.all_gather = comm.broadcast = refuse
+        try:
+            loaded = ck.load()
+            seen = (ck.loaded_manifest.step, ck.loaded_level, ck.load_local())
+        finally:
+            comm.all_gather, comm.broadcast = gather, broadcast
+        ck.close()
+        return loaded, seen
+
+    levels = [str(tmp_path / "a"), str(tmp_path / "b")]
+    for r, got in enumerate(run_ranks(3, lambda comm: rank(comm, levels))):
+        assert not isinstance(got, BaseException), got
+        loaded, seen = got
+        assert_same(loaded, state(2))
+        assert seen == (2, 0, {"rank": r})

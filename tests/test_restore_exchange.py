@@ -23,7 +23,7 @@ from ckpt_engine.load import agreed, exchange
 from ckpt_engine.load.exchange import Exchange, _probe_length
 from ckpt_engine.load.open import open_checkpoint
 from ckpt_engine.load.read import split_by_bytes
-from ckpt_engine.storage import Storage
+from ckpt_engine.storage import open_storage
 from dist_worker import columns_sharded, digest, make_local, make_state
 from ranks import run_ranks
 import thread_ranks
@@ -89,7 +89,7 @@ def expected_state(step: int, sharded: bool = False) -> dict:
 
 def state_bytes(root: str) -> tuple[int, int]:
     """Bytes of the newest checkpoint's replicated state, and of its largest piece."""
-    storage = Storage(root)
+    storage = open_storage(root)
     ck = open_checkpoint(storage, manifest_dirs(storage)[-1][1])
     sizes = [e.nbytes for idx in ck.indexes for e in idx.entries if not e.local]
     return sum(sizes), max(sizes)
@@ -156,7 +156,7 @@ def test_a_corrupted_share_moves_every_rank_to_the_older_checkpoint(on_threads, 
     all ranks fall back together."""
     root = tmp_path / "root"
     shutil.copytree(on_threads[2], root)
-    storage = Storage(str(root))
+    storage = open_storage(str(root))
     name = manifest_dirs(storage)[-1][1]
     ck = open_checkpoint(storage, name)
     last = max((e for e in ck.indexes[1].entries if not e.local), key=lambda e: e.offset)  # read by the last rank

@@ -13,12 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpt_engine import Checkpointer
-from ckpt_engine.errors import (CheckpointError, CorruptionError, FormatError, InsufficientMemoryError,
-                                MismatchError, NoCheckpointError, StorageError)
+from ckpt_engine.errors import (CorruptionError, FormatError, InsufficientMemoryError, MismatchError,
+                                NoCheckpointError, StorageError)
 from ckpt_engine.format.entries import data_file
 from ckpt_engine.load import exchange
 from ckpt_engine.load.search import Read, ends_search, may_try, search
-from ckpt_engine.storage import Storage
+from ckpt_engine.storage import StorageWrapper
 from ckpt_engine.testing import run_ranks
 from helpers import assert_same
 from thread_ranks import TensorComm
@@ -141,7 +141,7 @@ def state(step: int) -> dict:
     return {"w": torch.full((64,), float(step)), "step": step}
 
 
-class BuggyStorage(Storage):
+class BuggyStorage(StorageWrapper):
     """The real storage whose reading of a data file fails with an error that is not a
     ``CheckpointError`` (a backend's bug), as a fast level's storage might."""
 

@@ -15,7 +15,7 @@ from ckpt_engine import Checkpointer
 from ckpt_engine.cli import gc
 from ckpt_engine.format.catalog import dir_name, manifest_dirs, parse_dir
 from ckpt_engine.save.retention import retention
-from ckpt_engine.storage import Storage
+from ckpt_engine.storage import open_storage
 from test_disk_full import QuotaStorage, state, used_bytes
 
 # attempt tags as the library makes them: an incarnation's tag (time first), then a save counter
@@ -61,11 +61,11 @@ def test_the_caller_names_the_newest_commit_and_bad_input_is_refused():
 
 
 def _committed(root) -> list[int]:
-    return [step for step, _ in manifest_dirs(Storage(str(root)))]
+    return [step for step, _ in manifest_dirs(open_storage(str(root)))]
 
 
 def _gc_removes(root, keep_last: int) -> list[str]:
-    return [i.name for i in gc.plan(Storage(str(root)), keep_last, grace_s=math.inf).remove]
+    return [i.name for i in gc.plan(open_storage(str(root)), keep_last, grace_s=math.inf).remove]
 
 
 def test_a_restart_below_the_earlier_steps_is_kept_by_commit_full_disk_and_gc_alike(tmp_path):
@@ -86,7 +86,7 @@ def test_a_restart_below_the_earlier_steps_is_kept_by_commit_full_disk_and_gc_al
     b.wait(retention=True)
     assert _committed(tmp_path) == [1, 4, 5]  # B's step 1 (its newest), and A's highest two
     assert _gc_removes(tmp_path, 3) == []
-    a4 = dict(manifest_dirs(Storage(str(tmp_path))))[4]
+    a4 = dict(manifest_dirs(open_storage(str(tmp_path))))[4]
     assert _gc_removes(tmp_path, 2) == [a4]  # keeping 2: B's newest and A's highest
 
     storage.quota = used_bytes(tmp_path) + used_bytes(tmp_path) // 6  # half a checkpoint free

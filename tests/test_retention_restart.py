@@ -21,7 +21,7 @@ import torch
 
 from ckpt_engine import Checkpointer
 from ckpt_engine.format.catalog import attempt_dirs, manifest_dirs, parse_dir
-from ckpt_engine.storage import Storage
+from ckpt_engine.storage import open_storage
 import forkserver
 from ranks import lines_of, next_line
 
@@ -35,7 +35,7 @@ can land (the SIGKILL then falls at a random instant of the saves that follow)."
 
 
 def _committed(root: str) -> list[str]:
-    return [d for _, d in manifest_dirs(Storage(root))]
+    return [d for _, d in manifest_dirs(open_storage(root))]
 
 
 def test_keep_last_holds_after_restarts_and_random_kills(tmp_path):
@@ -64,4 +64,4 @@ def test_keep_last_holds_after_restarts_and_random_kills(tmp_path):
     step = max(parse_dir(d)[0] for d in _committed(root)) + 1
     ck.save({"w": torch.zeros(4)}, step)
     ck.close()
-    assert len(_committed(root)) == KEEP and set(attempt_dirs(Storage(root))) == set(_committed(root))
+    assert len(_committed(root)) == KEEP and set(attempt_dirs(open_storage(root))) == set(_committed(root))

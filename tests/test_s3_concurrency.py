@@ -15,7 +15,7 @@ import torch
 
 from ckpt_engine import Checkpointer, StorageError
 from ckpt_engine.config import CheckpointConfig, ConfigError
-from ckpt_engine.storage import Storage
+from ckpt_engine.storage import open_storage
 from ckpt_engine.storage import fsspec_storage as storage_mod
 
 pytestmark = pytest.mark.s3
@@ -48,7 +48,7 @@ def _through(proxy, s3_server, max_concurrency=None, retry_deadline=30.0, **extr
     opts["skip_instance_cache"] = True
     if max_concurrency is not None:
         opts["max_concurrency"] = max_concurrency
-    return Storage(f"s3://ckpt/conc-{uuid.uuid4().hex[:8]}", opts, retry_deadline=retry_deadline)
+    return open_storage(f"s3://ckpt/conc-{uuid.uuid4().hex[:8]}", opts, retry_deadline=retry_deadline)
 
 
 def _direct(st):
@@ -185,14 +185,14 @@ def test_max_concurrency_is_validated_naming_it_and_the_value(bad, s3_server):
         CheckpointConfig(levels=["/tmp/a", {"path": "s3://ckpt/x", "storage_options": {"max_concurrency": bad}}])
     if not isinstance(bad, str):  # given to the storage directly (s3fs itself refuses a string with a TypeError)
         with pytest.raises(StorageError, match=r"max_concurrency"):
-            Storage("s3://ckpt/x", {"max_concurrency": bad, "skip_instance_cache": True})
+            open_storage("s3://ckpt/x", {"max_concurrency": bad, "skip_instance_cache": True})
 
 
 def test_max_concurrency_reaches_the_storage_from_the_configuration(s3_url, s3_server):
     cfg = CheckpointConfig(dirpath=s3_url, storage_options={"max_concurrency": 3})
     with Checkpointer.from_config(cfg) as ck:
         assert ck.storage.parts_in_flight == 3
-    assert Storage(s3_url).parts_in_flight == 10  # s3fs's default
+    assert open_storage(s3_url).parts_in_flight == 10  # s3fs's default
 
 
 def test_memory_a_save_copies_no_part_and_a_streamed_copy_one_per_part_in_flight(s3_url, small_parts):
@@ -202,7 +202,7 @@ def test_memory_a_save_copies_no_part_and_a_streamed_copy_one_per_part_in_flight
     import tracemalloc
 
     data = os.urandom(SIZE)
-    st = Storage(s3_url, {"max_concurrency": 4, "skip_instance_cache": True})
+    st = open_storage(s3_url, {"max_concurrency": 4, "skip_instance_cache": True})
     st.write_stream("warm-up.bin", [b"x"])  # the client's session and connections
     peaks = {}
     for name, chunks in (("view", [memoryview(data)]), ("streamed", _Streamed(data, 1 << 20))):
@@ -217,4 +217,4 @@ def test_memory_a_save_copies_no_part_and_a_streamed_copy_one_per_part_in_flight
     # moto reads slowly, so a streamed upload with 4 parts in flight peaks between 4 and 6 parts
     # (measured up to 5.07): the bound that matters is far below the file's 7 parts.
     assert peaks["view"] < PART and 4 * PART < peaks["streamed"] < 6 * PART, peaks
-    assert Storage(s3_url).read_bytes("streamed.bin", limit=SIZE) == data
+    assert open_storage(s3_url).read_bytes("streamed.bin", limit=SIZE) == data

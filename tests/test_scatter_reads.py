@@ -16,7 +16,7 @@ from ckpt_engine import Checkpointer, CorruptionError, StorageError
 from ckpt_engine.format.entries import IndexEntry
 from ckpt_engine.load.read import steps
 from ckpt_engine.load.shares import Shares
-from ckpt_engine.storage import Storage, local as local_storage
+from ckpt_engine.storage import Storage, local as local_storage, open_storage
 
 
 def _write(storage: Storage, data: bytes) -> None:
@@ -29,7 +29,7 @@ def _write(storage: Storage, data: bytes) -> None:
 @settings(max_examples=40, deadline=None)
 def test_read_many_fills_consecutive_buffers(tmp_path_factory, url, sizes, start):
     root = str(tmp_path_factory.mktemp("r")) if url == "local" else f"memory://scatter-{os.getpid()}"
-    storage = Storage(root)
+    storage = open_storage(root)
     data = os.urandom(start + sum(sizes))
     _write(storage, data)
     bufs = [memoryview(bytearray(n)) for n in sizes]
@@ -40,7 +40,7 @@ def test_read_many_fills_consecutive_buffers(tmp_path_factory, url, sizes, start
 
 def test_more_buffers_than_one_preadv_takes(tmp_path, monkeypatch):
     monkeypatch.setattr(local_storage, "_IOV_MAX", 7)
-    storage = Storage(str(tmp_path))
+    storage = open_storage(str(tmp_path))
     data = os.urandom(100 * 33)
     _write(storage, data)
     bufs = [memoryview(bytearray(33)) for _ in range(100)]
@@ -51,7 +51,7 @@ def test_more_buffers_than_one_preadv_takes(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("url", ["local", "memory"])
 def test_a_short_file_is_an_error_naming_it(tmp_path, url):
-    storage = Storage(str(tmp_path) if url == "local" else f"memory://short-{os.getpid()}")
+    storage = open_storage(str(tmp_path) if url == "local" else f"memory://short-{os.getpid()}")
     _write(storage, b"x" * 100)
     with storage.reader("d/f.bin") as r, pytest.raises(StorageError, match=r"f\.bin.*ends after 100 bytes, 120"):
         r.read_many(60, [memoryview(bytearray(30)), memoryview(bytearray(30))])
@@ -161,7 +161,7 @@ def test_read_steps_resumes_a_retried_read_at_the_first_request_not_landed(monke
     bytes twice (and fail a good checkpoint)."""
     from ckpt_engine.storage.fsspec_storage import FsspecReader
 
-    storage = Storage(f"memory://steps-retry-{os.getpid()}")
+    storage = open_storage(f"memory://steps-retry-{os.getpid()}")
     data = os.urandom(5 * 1000)
     _write(storage, data)
     real, calls = FsspecReader._read, []

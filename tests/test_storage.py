@@ -10,7 +10,7 @@ import torch
 from ckpt_engine import Checkpointer, CheckpointError, CheckpointWarning, CorruptionError, StorageError
 from ckpt_engine.format.catalog import manifest_dirs
 from ckpt_engine.storage.retry import is_transient, retrying
-from ckpt_engine.storage import Storage
+from ckpt_engine.storage import Storage, open_storage
 from ckpt_engine.testing.storage_contract import StorageContract
 from helpers import assert_same
 
@@ -21,15 +21,16 @@ def _fail_io():
 
 class TestStorageContract(StorageContract):
     """ckpt_engine.testing.storage_contract on every backend this project ships, plus what the engine
-    does on top of each (a test double subclassing ``Storage``, a checkpoint written and verified)."""
+    does on top of each (a test double wrapping it, a checkpoint written and verified)."""
 
     @pytest.fixture
     def url(self, any_url):
         return any_url
 
-    def test_a_subclass_of_storage_runs_on_the_implementation_for_its_url(self, any_url):
-        """The doubles users subclass override an operation and call ``super()``: that reaches the
-        real one for the URL; ``run`` is the hook a fault goes through to fail like a backend error."""
+    def test_a_double_wraps_the_storage_for_its_url(self, any_url):
+        """A double (a ``StorageWrapper`` subclass) overrides an operation and calls ``super()``: that
+        reaches the real one of the storage it wraps; ``run`` is the hook a fault goes through to fail
+        like a backend error, with the wrapped storage's retries."""
         import pickle
 
         from ckpt_engine.testing import FailingStorage, GatedStorage
@@ -40,9 +41,8 @@ class TestStorageContract(StorageContract):
                     return self.run("write", rel, _fail_io)
                 return super().write_atomic(rel, data, **kw)
 
-        st = Refusing(any_url, None, retry_deadline=0.5)
-        assert isinstance(st, Refusing) and isinstance(st, Storage) and type(st).__name__ == "Refusing"
-        assert type(Refusing(any_url)) is type(st)  # one class per (subclass, implementation)
+        st = Refusing(open_storage(any_url, retry_deadline=0.5))
+        assert isinstance(st, Storage) and st.url == any_url and st.retry_deadline == 0.5
         st.makedirs("")
         st.gate.set()
         st.write_stream("a.bin", [b"abc"])
@@ -50,10 +50,10 @@ class TestStorageContract(StorageContract):
         with pytest.raises(StorageError, match=r"could not write .*latest: OSError: \[Errno 5\] injected"):
             st.write_atomic("latest", b"1")
         child = st.child("sub")
-        assert type(child) is type(st) and child.gate is st.gate
-        failing = FailingStorage(any_url).child("x")
+        assert type(child) is Refusing and child.gate is st.gate and child.url == f"{any_url.rstrip('/')}/sub"
+        failing = FailingStorage(any_url, fail_on=".bin").child("x")
         again = pickle.loads(pickle.dumps(failing))
-        assert type(again) is type(failing) and again.describe("") == failing.describe("")
+        assert type(again) is FailingStorage and again.fail_on == ".bin" and again.describe("") == failing.describe("")
 
     def test_checkpoint_roundtrip_and_corruption(self, any_url):
         state = {"w": torch.randn(300, 300), "b": torch.arange(10), "v": "x"}
@@ -72,7 +72,7 @@ class TestStorageContract(StorageContract):
 
 
 def test_large_shards_go_up_as_multipart_and_stale_uploads_are_aborted(s3_url, s3_server):
-    st = Storage(s3_url)
+    st = open_storage(s3_url)
     big = torch.randn(20 * 2**20 // 4)  # 20 MiB > the 5 MiB multipart minimum
     with Checkpointer(st) as ck:
         ck.save({"big": big}, 1)
@@ -103,7 +103,7 @@ def test_credentials_never_appear_in_errors(s3_server, monkeypatch):
     opts = s3_server.storage_options() | {"secret": secret}
     for k in s3_server.env:
         monkeypatch.delenv(k, raising=False)
-    st = Storage("s3://no-such-bucket-here/run", opts, retry_deadline=1)
+    st = open_storage("s3://no-such-bucket-here/run", opts, retry_deadline=1)
     with pytest.raises(CheckpointError) as err:
         st.read_bytes("manifest.json")
     assert secret not in str(err.value) and secret not in repr(err.value.__cause__)
@@ -155,7 +155,7 @@ def proxied(s3_server, proxy, retry_deadline=30.0, prefix=None):
     # botocore's own retries are cut short so that ours are what is tested.
     opts["config_kwargs"] = {"retries": {"max_attempts": 1, "mode": "standard"}, "connect_timeout": 2,
                              "read_timeout": 5}
-    return Storage(prefix or f"s3://ckpt/flaky-{uuid.uuid4().hex[:8]}", opts, retry_deadline=retry_deadline)
+    return open_storage(prefix or f"s3://ckpt/flaky-{uuid.uuid4().hex[:8]}", opts, retry_deadline=retry_deadline)
 
 
 @pytest.mark.parametrize("how", ["503", "drop"])
@@ -232,7 +232,7 @@ def test_direct_io_write_of_an_aligned_buffer_is_exact_and_bypasses_the_page_cac
     n = (2 << 20) + tail
     buf = mmap.mmap(-1, n)  # mmap memory is page-aligned, like the snapshot's host buffers
     buf.write(os.urandom(n))
-    st = Storage(str(tmp_path))
+    st = open_storage(str(tmp_path))
     assert st.direct_io, "this test machine's ext4 supports O_DIRECT"
     calls = []
     real = storage_mod._write_direct
@@ -278,7 +278,7 @@ def test_a_streamed_write_goes_direct_while_its_chunks_are_aligned_then_buffered
     block = mmap.mmap(-1, 2 << 20)
     block.write(os.urandom(2 << 20))
     aligned, tail = memoryview(block), memoryview(bytearray(os.urandom(12345)))
-    st = Storage(str(tmp_path))
+    st = open_storage(str(tmp_path))
     assert st.write_stream("f.bin", _Stream(aligned, aligned, tail, aligned)) == 3 * (2 << 20) + 12345
     assert direct_writes == [2 << 20, 2 << 20]  # the chunks after the tail were buffered too
     assert (tmp_path / "f.bin").read_bytes() == bytes(block) * 2 + bytes(tail) + bytes(block)
@@ -301,18 +301,18 @@ def test_direct_io_refused_falls_back_to_buffered_writes(tmp_path, monkeypatch):
     monkeypatch.setattr(storage_mod.os, "open", refusing_open)
     buf = mmap.mmap(-1, 3 << 20)
     buf.write(os.urandom(3 << 20))
-    st = Storage(str(tmp_path))
+    st = open_storage(str(tmp_path))
     st.write_stream("a.bin", [memoryview(buf)])
     assert not st.direct_io
     assert (tmp_path / "a.bin").read_bytes() == bytes(buf)
-    streamed = Storage(str(tmp_path))
+    streamed = open_storage(str(tmp_path))
     streamed.write_stream("s.bin", _Stream(memoryview(buf)))  # a stream too: refused before a chunk is taken
     assert not streamed.direct_io and (tmp_path / "s.bin").read_bytes() == bytes(buf)
 
 
 def test_direct_io_can_be_switched_off(tmp_path, monkeypatch):
     monkeypatch.setenv("CKPT_DIRECT_IO", "0")
-    assert not Storage(str(tmp_path)).direct_io
+    assert not open_storage(str(tmp_path)).direct_io
 
 
 def test_not_implemented_is_not_transient():
@@ -348,7 +348,7 @@ def test_a_failed_upload_leaves_no_partial_object(url, request, monkeypatch):
     """fsspec's close() completes an upload even after an error: the bytes so far must not become the object."""
     from ckpt_engine.storage import fsspec_storage as storage_mod
     monkeypatch.setattr(storage_mod, "_OBJECT_BLOCK", 5 << 20)  # parts / staged blocks before the failure
-    st = Storage(request.getfixturevalue(url), retry_deadline=1)
+    st = open_storage(request.getfixturevalue(url), retry_deadline=1)
     with pytest.raises(StorageError, match=r"could not write .*d/f\.bin: .*No space left"):
         st.write_stream("d/f.bin", _FailingChunks(12 << 20))
     assert not st.exists("d/f.bin") and st.listdir("d") == []
@@ -362,7 +362,7 @@ def test_one_filesystem_object_per_store(url, request):
     bucket layout) are paid once per process, not once per Storage, let alone per call."""
     from ckpt_engine.storage import FsspecStorage
     where = request.getfixturevalue(url)
-    one, other = Storage(where), Storage(f"{where}/other")
+    one, other = open_storage(where), open_storage(f"{where}/other")
     assert isinstance(one, FsspecStorage) and one.fs is other.fs
 
 
@@ -379,11 +379,11 @@ def test_checkpointer_end_to_end_on_azurite(az_url, azurite_server, monkeypatch)
         ck.save(state, 1, {"rank": 0})
         ck.wait(retention=True)
         dirname = ck.records[-1].dirname
-    prefix, size = az_url.removeprefix("abfs://ckpt/"), Storage(az_url).size(f"{dirname}/rank-00000.bin")
+    prefix, size = az_url.removeprefix("abfs://ckpt/"), open_storage(az_url).size(f"{dirname}/rank-00000.bin")
     blocks = azurite.committed_blocks(azurite_server, "ckpt", f"{prefix}/{dirname}/rank-00000.bin")
     assert size > 20 << 20 and blocks == -(-size // (4 << 20)), (size, blocks)
     crashed = "step-000000000002-" + "0" * 35
-    Storage(az_url).write_stream(f"{crashed}/rank-00000.bin", [b"a crashed run's bytes"])
+    open_storage(az_url).write_stream(f"{crashed}/rank-00000.bin", [b"a crashed run's bytes"])
     with Checkpointer(az_url) as ck:  # a writable start sweeps
         assert attempt_dirs(ck.storage) == [dirname]
         assert_same(ck.load(), state)
@@ -396,7 +396,7 @@ def test_polling_pauses_double_up_to_the_cap_of_the_storage_kind(tmp_path, memor
 
     from ckpt_engine.storage import poll
 
-    local, remote = Storage(str(tmp_path)).polling, Storage(memory_url).polling
+    local, remote = open_storage(str(tmp_path)).polling, open_storage(memory_url).polling
     assert (local, remote) == (poll.LOCAL, poll.OBJECT_STORE)
     assert list(islice(local.commit.pauses(), 5)) == [0.002, 0.004, 0.008, 0.01, 0.01]
     assert list(islice(remote.flush.pauses(), 9))[-2:] == [0.5, 0.5]

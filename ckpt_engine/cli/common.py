@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .. import progress
-from ..storage import Storage
+from ..storage import Storage, open_storage
 
 OK, DIFFERENT, ERROR = 0, 1, 2
 """Exit codes: success; a verification failure or (``diff``) a difference; a usage, storage or I/O error."""
@@ -54,9 +54,9 @@ def storage_options(pairs: Sequence[str], flag: str = "--storage-option") -> dic
     return opts
 
 
-def open_storage(args: argparse.Namespace, path: str | None = None) -> Storage:
+def open_root(args: argparse.Namespace, path: str | None = None) -> Storage:
     """The checkpoint root ``path`` (default ``args.path``) with the ``--storage-option`` values."""
-    return Storage(path or args.path, storage_options(args.storage_option))
+    return open_storage(path or args.path, storage_options(args.storage_option))
 
 
 def root(storage: Storage) -> str:

@@ -25,7 +25,7 @@ from ..progress import Bar
 from ..state.tree import TensorRef, flatten, is_tensor, refs_tree, short_repr
 from ..state.values import encode
 from ..storage import Storage
-from .common import DIFFERENT, OK, Parents, UsageError, open_storage, print_json, wants_bar
+from .common import DIFFERENT, OK, Parents, UsageError, open_root, print_json, wants_bar
 from .table import render
 
 CHUNK = 1 << 22
@@ -260,7 +260,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     """Compare two checkpoints' replicated states; exit 0 when identical, 1 when they differ."""
     sides = []
     for path, step in parse_refs(args.refs):
-        storage = open_storage(args, path)
+        storage = open_root(args, path)
         sides.append(Side(storage, open_newest(storage, step)))
     result = diff(sides[0], sides[1], progress=wants_bar(args))
     if args.json:

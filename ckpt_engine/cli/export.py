@@ -13,7 +13,7 @@ from typing import Any
 
 from ..interop.files import FORMATS, export
 from ..load.open import open_newest
-from .common import OK, Parents, UsageError, open_storage, print_json, storage_options, wants_bar
+from .common import OK, Parents, UsageError, open_root, print_json, storage_options, wants_bar
 from .table import human
 
 
@@ -22,7 +22,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     fmt = args.format or ("safetensors" if args.out.endswith(".safetensors") else "torch")
     if fmt == "hf":
         return cmd_hf(args)
-    storage = open_storage(args)
+    storage = open_root(args)
     opened = open_newest(storage, args.step)
     local_rank = args.local_rank if args.local_rank is not None else (0 if args.include_local else None)
     result = export(storage, opened, args.out, fmt=fmt, flat=args.flat, local_rank=local_rank,
@@ -65,7 +65,7 @@ def cmd_hf(args: argparse.Namespace) -> int:
                               "(model. for {'model': model.state_dict(), ...}; '' when the state is the state_dict)")
     from ..interop.hf import DEFAULT_MAX_SHARD_SIZE, export_hf  # safetensors' writer, only for this format
 
-    storage = open_storage(args)
+    storage = open_root(args)
     opened = open_newest(storage, args.step)
     result = export_hf(storage, opened, args.out, prefix=args.prefix,
                        max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE, config=args.config,

@@ -32,8 +32,8 @@ from ..format.entries import MANIFEST_NAME
 from ..levels.memory import dead_node_dirs, sweep_dead_jobs
 from ..save.commit import remove_checkpoint
 from ..save.retention import retention
-from ..storage import Storage
-from .common import OK, Parents, UsageError, open_storage, print_json, root
+from ..storage import Storage, open_storage
+from .common import OK, Parents, UsageError, open_root, print_json, root
 from .table import duration, human, render
 
 _DURATION = re.compile(r"(\d+(?:\.\d*)?)\s*(s|m|min|h|d)?")
@@ -138,7 +138,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     """List (default) or delete (``--yes``) old checkpoints and dead leftovers."""
     if args.memory:
         return _gc_memory(args)
-    storage = open_storage(args)
+    storage = open_root(args)
     try:
         grace = parse_duration(args.grace)
     except ValueError as e:
@@ -176,7 +176,7 @@ def _gc_memory(args: argparse.Namespace) -> int:
                          f"got {args.path!r}")
     root_dir = args.path.removeprefix("file://")
     dead = dead_node_dirs(root_dir)
-    sizes = {d: Storage(d).usage("")[0] for d in dead}
+    sizes = {d: open_storage(d).usage("")[0] for d in dead}
     if args.yes:
         sweep_dead_jobs(root_dir, None)
     if args.json:

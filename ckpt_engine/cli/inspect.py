@@ -18,7 +18,7 @@ from ..format.entries import TensorEntry
 from ..load.open import Opened, open_newest
 from ..state.tree import TensorRef, flatten, is_tensor, refs_tree, short_repr, type_name
 from ..state.values import encode
-from .common import OK, Parents, UsageError, open_storage, print_json
+from .common import OK, Parents, UsageError, open_root, print_json
 from .table import human, iso, render
 
 
@@ -208,7 +208,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     """Describe one checkpoint: replicated tensors and values, and every rank's local values (or ``--rank``'s)."""
     if args.width < 10:
         raise UsageError(f"--width must be at least 10, got {args.width}")
-    opened = open_newest(open_storage(args), args.step)
+    opened = open_newest(open_root(args), args.step)
     bad = [r for r in args.rank if not 0 <= r < opened.manifest.world_size]
     if bad:
         raise UsageError(f"--rank {bad[0]}: the checkpoint of step {opened.manifest.step} has ranks "

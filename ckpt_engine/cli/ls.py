@@ -17,8 +17,8 @@ from typing import Any
 from ..format import catalog
 from ..format.entries import MANIFEST_NAME
 from ..levels.open import assemblable, held_catalog
-from ..storage import Storage
-from .common import OK, Parents, open_storage, print_json
+from ..storage import Storage, open_storage
+from .common import OK, Parents, open_root, print_json
 from .gc import usage
 from .table import human, iso, render
 
@@ -76,7 +76,7 @@ def memory_steps(root: str) -> dict[int, str]:
     nodes here hold every writer's part of the newest attempt, else ``partial (...)``. Whole is what
     a restore on these nodes could assemble (levels/open.py's :func:`assemblable`, the restore's rule)."""
     nodes = node_dirs(root)
-    held = [held_catalog(Storage(node), 0, memory=True) for node in nodes]
+    held = [held_catalog(open_storage(node), 0, memory=True) for node in nodes]
     whole = {(step, dirname) for step, dirname, _ in assemblable(held)}
     parts: dict[tuple[int, str], dict[str, set[int]]] = {}
     writers: dict[tuple[int, str], int] = {}
@@ -99,7 +99,7 @@ def level_rows(args: argparse.Namespace, roots: list[str]) -> list[dict[str, Any
         if "://" not in path.removeprefix("file://") and node_dirs(path.removeprefix("file://")):
             columns.append(memory_steps(path.removeprefix("file://")))
         else:
-            columns.append({r["step"]: r["status"] for r in ls_rows(open_storage(args, path))})
+            columns.append({r["step"]: r["status"] for r in ls_rows(open_root(args, path))})
     steps = sorted(set().union(*columns))
     return [{"step": step, "levels": [{"level": i + 1, "root": root, "status": col.get(step)}
                                       for i, (root, col) in enumerate(zip(roots, columns))]} for step in steps]
@@ -119,7 +119,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             print("\n".join(render(heads, [(r["step"], *(lv["status"] or "-" for lv in r["levels"])) for r in rows],
                                    right=(0,))))
         return OK
-    rows = ls_rows(open_storage(args), args.all)
+    rows = ls_rows(open_root(args), args.all)
     if args.json:
         print_json(rows)
         return OK

@@ -17,13 +17,13 @@ from ..format import catalog
 from ..load.open import open_checkpoint, open_newest
 from ..load.read import verify
 from ..storage import Storage
-from .common import DIFFERENT, OK, Parents, open_storage, print_json, root, wants_bar
+from .common import DIFFERENT, OK, Parents, open_root, print_json, root, wants_bar
 from .table import human
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Verify the chosen checkpoints; print one line (or one JSON document) and return 0, or 1 on a failure."""
-    store = open_storage(args)
+    store = open_root(args)
     if args.all:  # every committed checkpoint, and damaged manifests of steps with no readable one
         entries = catalog.committed(store)
         steps = {e.step for e in entries}

@@ -32,6 +32,15 @@ def parse_dir(name: str) -> tuple[int, str] | None:
     return (int(m.group(1)), m.group(2)) if m else None
 
 
+def split_dir(name: str) -> tuple[int, str]:
+    """``(step, attempt)`` of a name known to be a checkpoint directory (listed as one, or made by
+    :func:`dir_name`); ``ValueError`` naming it otherwise."""
+    parsed = parse_dir(name)
+    if parsed is None:
+        raise ValueError(f"{name!r} is not a checkpoint directory name (step-<step>-<attempt>)")
+    return parsed
+
+
 @dataclass(frozen=True)
 class Entry:
     """A committed checkpoint found at the root."""

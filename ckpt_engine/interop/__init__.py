@@ -26,7 +26,7 @@ def export(root: str, out: str, *, format: str = "torch", step: int | None = Non
     :class:`ValueError` for an unknown format or a missing ``prefix`` with ``hf``.
     """
     from ..load.open import open_newest
-    from ..storage import Storage
+    from ..storage import open_storage
     from .files import FORMATS
     from .files import export as export_one
 
@@ -35,7 +35,7 @@ def export(root: str, out: str, *, format: str = "torch", step: int | None = Non
     if (prefix is None) == (format == "hf"):
         raise ValueError("prefix is for format='hf' and required there (the weights' key prefix, e.g. 'model.')"
                          if format == "hf" else f"prefix is for format='hf' only, not {format!r}")
-    storage = Storage(root, storage_options or {})
+    storage = open_storage(root, storage_options or {})
     opened = open_newest(storage, step)
     if format == "hf":
         from .hf import export_hf

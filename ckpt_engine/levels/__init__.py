@@ -1,10 +1,11 @@
 """Where checkpoints go and come from: a ``Checkpointer``'s destination (:mod:`.destination`), one path
-(:mod:`.single`) or several levels: levels opened and checked together (:mod:`.open`), the destination of a
-``Checkpointer`` with several levels (:mod:`.multilevel`), a node-memory level (:mod:`.memory`,
-replicated to peers by :mod:`.replicate`), background flushers to the lower levels
-(:mod:`.flush`, copying with :mod:`.transfer`), and restoring from the fastest level that verifies
-(:mod:`.restore`; from the parts the nodes hold: :mod:`.assemble`). :mod:`.scale` runs the memory
-level on paper at any number of nodes."""
+(:mod:`.single`) or several levels: levels opened and checked together (:mod:`.open`), level 1's
+commit, one committer per kind (:mod:`.first`: shared or node-local; :mod:`.first_memory`: a
+node-memory level, :mod:`.memory`, replicated to peers by :mod:`.replicate`), composed with
+background flushers to the lower levels (:mod:`.flush`, copying with :mod:`.transfer`) into the
+destination of a ``Checkpointer`` with several levels (:mod:`.multilevel`), and restoring from the
+fastest level that verifies (:mod:`.restore`; from the parts the nodes hold: :mod:`.assemble`).
+:mod:`.scale` runs the memory level on paper at any number of nodes."""
 
 from __future__ import annotations
 

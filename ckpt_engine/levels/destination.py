@@ -2,8 +2,9 @@
 
 Implementations: :class:`~ckpt_engine.levels.single.SingleLevel` (one path: a set of one level)
 and :class:`~ckpt_engine.levels.multilevel.MultiLevel` (a fast first level, flushed in the
-background to slower ones). A new kind of level (node memory, a peer's memory) is a new
-implementation of :class:`Destination`; the ``Checkpointer`` does not change.
+background to slower ones). A new kind of first level (node memory, a peer's memory) is a new
+:class:`~ckpt_engine.levels.first.FirstLevel` that ``MultiLevel`` composes with its flushers;
+neither the ``Checkpointer`` nor this interface changes.
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ class Destination(Protocol):
     1. **open** (construction, training, a collective): create and sweep the levels, agree on
        this incarnation's :attr:`generation` (the prefix of its attempt tags), so that every sweep
        is done before any rank writes;
-    2. per ``save()`` (training): :meth:`admit` with the part's size, then :meth:`saving` with what a
-       commit of the attempt needs, returning what the persist worker commits with (``None``: this
-       rank does not commit through it); or, when back-pressure dropped the attempt, :meth:`skipped`
-       instead;
+    2. ``reserve()`` (training): :meth:`admit` with the part's size, whose answer (the snapshot
+       buffers committed checkpoints keep) sizes the buffer pool; per ``save()`` (training):
+       :meth:`admit` again, then :meth:`saving` with what a commit of the attempt needs, returning
+       what the persist worker commits with (``None``: this rank does not commit through it); or,
+       when back-pressure dropped the attempt, :meth:`skipped` instead;
     3. after every persist job, failed ones included (persist): :meth:`persisted`, which commits or
        hands the attempt on as the destination requires and runs retention on its own thread;
        ``True`` when this rank committed it (counted in ``counters["committed"]``);
@@ -44,8 +46,9 @@ class Destination(Protocol):
        worker drained, :meth:`drain` (the lower levels, when asked), :meth:`take_error`,
        :meth:`retention_failures`; then :meth:`close`, once, last;
     5. reading (training, any time): :meth:`steps`; :meth:`load` (no communication on a single
-       level, a collective on several), :meth:`restore` (a collective), :meth:`open_newest` (no
-       communication: ``load_local()`` before any load).
+       level, a collective on several), :meth:`restore` (a collective). ``load_local()`` before any
+       load opens the newest checkpoint of the shared :attr:`levels` itself
+       (:func:`~ckpt_engine.levels.restore.open_newest_shared`, no communication).
     """
 
     levels: tuple[Level, ...]
@@ -59,14 +62,11 @@ class Destination(Protocol):
     buffers: Callable[[int, bool], Any] | None
     """What makes the snapshot buffers, when not ordinary host memory (a memory level: files of it)."""
 
-    def kept_buffers(self) -> int:
-        """``reserve()``: how many snapshot buffers committed checkpoints hold in steady state
-        (a memory level's are its checkpoints' files), allocated at set-up beside those in flight."""
-        ...
-
-    def admit(self, nbytes: int) -> None:
+    def admit(self, nbytes: int) -> int:
         """``save()`` and ``reserve()`` (training), before a buffer is taken, with this rank's part
-        size: raise :class:`CheckpointError` when the levels cannot hold a checkpoint of it."""
+        size: raise :class:`CheckpointError` when the levels cannot hold a checkpoint of it. Returns
+        how many snapshot buffers committed checkpoints hold in steady state (a memory level's are
+        its checkpoints' files), which ``reserve()`` allocates at set-up beside those in flight."""
         ...
 
     def saving(self, dirname: str, inputs: CommitInputs) -> CommitInputs | None:
@@ -118,10 +118,6 @@ class Destination(Protocol):
                 into: Any = None, exchange: Exchange | None = None) -> tuple[Any, Loaded]:
         """``Checkpointer.restore()``, every rank together: the same, verified on every rank
         (``exchange``: the route of the replicated state's large pieces, load/exchange.py)."""
-        ...
-
-    def open_newest(self) -> Loaded:
-        """The newest checkpoint this process sees, opened (not read); no communication."""
         ...
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from ..errors import CheckpointError
-from ..format.catalog import parse_dir
+from ..format.catalog import parse_dir, split_dir
 from ..format.entries import RankRecord, index_file
 from ..format.manifest import Manifest
 from ..save.commit import Abandoned, CommitInputs, commit, retain, write_abort
@@ -69,7 +69,7 @@ class FlushItem:
     @property
     def key(self) -> str:
         """Orders attempts: incarnation, then save counter (fixed width, so text order is save order)."""
-        return parse_dir(self.dirname)[1]  # type: ignore[index]
+        return split_dir(self.dirname)[1]
 
 
 def publish(target: Storage, dirname: str, flush: bool) -> None:
@@ -93,13 +93,13 @@ class Flusher:
 
     Order of calls: :meth:`offer` every save attempt once its level-1 part is settled (persist
     thread); :meth:`protected` from level-1 retention; :meth:`drain` / :meth:`take_error` /
-    :meth:`stop` from the training thread. ``manifest_of`` (rank 0) builds a checkpoint's
+    :meth:`stop` from the training thread. ``manifest_of`` (called on rank 0) builds a checkpoint's
     manifest from the lower level's rank records.
     """
 
     def __init__(self, source: Storage, target: Storage, *, level: int, rank: int, world_size: int,
                  generation: str, keep_last: int | None, commit_timeout: float, retries: int,
-                 manifest_of: ManifestSource | None = None, tally: Tally | None = None) -> None:
+                 manifest_of: ManifestSource, tally: Tally | None = None) -> None:
         self.source, self.target, self.level = source, target, level
         self.rank, self.world_size, self.generation = rank, world_size, generation
         self.keep_last, self.commit_timeout, self.retries = keep_last, commit_timeout, retries
@@ -226,7 +226,7 @@ class Flusher:
                 if decision is not None:
                     name, flush = decision
                     self._decided = name
-                    cut = parse_dir(name)[1]  # type: ignore[index]
+                    cut = split_dir(name)[1]
                     for older in [n for n, i in self._pending.items() if i.key < cut]:
                         dropped = self._pending.pop(older)
                         if dropped.committed:
@@ -280,8 +280,8 @@ class Flusher:
         record.bytes = copy_rank(self.source, self.target, item.dirname, self.rank)
         record.copy_s = time.perf_counter() - start
         if self.rank == 0:
-            build = self._manifest_of(item.dirname)  # type: ignore[misc]
-            step, attempt = parse_dir(item.dirname)  # type: ignore[misc]
+            build = self._manifest_of(item.dirname)
+            step, attempt = split_dir(item.dirname)
             begin = time.perf_counter()
             commit(self.target, item.dirname, CommitInputs(step, self.world_size, attempt, lambda r, _t: build(r)),
                    self.commit_timeout)

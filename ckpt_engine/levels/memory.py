@@ -38,7 +38,7 @@ import xxhash
 
 from ..config import LevelSpec
 from ..errors import CheckpointError
-from ..storage import Storage
+from ..storage import StorageWrapper
 
 OWNERS = "owners"
 """Below a node's directory: one claim file per process that uses it."""
@@ -137,14 +137,17 @@ class NodeTable:
         return out
 
 
-class NodeParts(Storage):
-    """A node's memory directory seen as one checkpoint root: ``<dir>/rank-NNNNN.bin`` and
-    ``.index.json`` are read from ``rank-NNNNN/<dir>/`` (where each part lives, own or replica), so
-    that the ordinary reader reads a checkpoint whose every part this node holds, with no exchange.
-    Reading only."""
+class NodeParts(StorageWrapper):
+    """A node's memory directory (the storage wrapped) seen as one checkpoint root:
+    ``<dir>/rank-NNNNN.bin`` and ``.index.json`` are read from ``rank-NNNNN/<dir>/`` (where each part
+    lives, own or replica), so that the ordinary reader reads a checkpoint whose every part this node
+    holds, with no exchange. Reading only."""
 
     def path(self, *parts: str) -> str:
         return super().path(_where("/".join(parts)))
+
+    def describe(self, *parts: str) -> str:
+        return super().describe(_where("/".join(parts)))
 
     def read_bytes(self, rel: str, *args: Any, **kwargs: Any) -> bytes:
         return super().read_bytes(_where(rel), *args, **kwargs)

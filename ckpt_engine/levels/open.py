@@ -30,12 +30,12 @@ from ..agree import on_rank0
 from ..comm import Comm
 from ..config import LevelSpec
 from ..errors import CheckpointError, FormatError
-from ..format.catalog import manifest_dirs, parse_dir
+from ..format.catalog import manifest_dirs, split_dir
 from ..format.entries import MANIFEST_NAME, RankRecord, data_file, index_file
 from ..format.manifest import Manifest, RankIndex, seal, unseal
 from ..format.strict_json import parse_json
 from ..save.commit import sweep
-from ..storage import Storage
+from ..storage import Storage, open_storage
 from .flush import FLUSHING
 from .memory import NodeTable, claim, in_memory_fs, job_tag, node_dir, node_key, sweep_dead_jobs
 
@@ -50,9 +50,9 @@ def rank_dir(rank: int) -> str:
     return f"rank-{rank:05d}"
 
 
-def open_storage(spec: LevelSpec) -> Storage:
+def level_storage(spec: LevelSpec) -> Storage:
     """The level's storage (a ``Storage`` given in code is used as it is)."""
-    return spec.path if isinstance(spec.path, Storage) else Storage(spec.path, dict(spec.storage_options))
+    return spec.path if isinstance(spec.path, Storage) else open_storage(spec.path, dict(spec.storage_options))
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ def write_rank_commit(storage: Storage, dirname: str, rank: int, template: Manif
     raw, data_bytes = written
     body = template.body()
     body.pop("ranks")
-    attempt = parse_dir(dirname)[1]  # type: ignore[index]
+    attempt = split_dir(dirname)[1]
     rc = RankCommit(template.step, rank, template.world_size, attempt, template.created_at,
                     RankRecord(rank, data_bytes, len(raw), xxhash.xxh3_64_hexdigest(raw)), body)
     storage.write_atomic(f"{dirname}/{RANK_COMMIT}", rc.to_json())
@@ -165,12 +165,21 @@ class Opening:
     complete: tuple[tuple[int, str], ...]
     """Node-local level 1: the checkpoints the ranks can assemble from it (at start), written by any
     number of ranks."""
-    recover: tuple[str | None, ...]
-    """Per lower level: the newest level-1 checkpoint it lacks (a flush a crash cut short), to flush again."""
-    nodes: NodeTable | None = None
-    """Memory level: which node each rank is on."""
-    node: Storage | None = None
-    """Memory level: this node's directory (every rank's part this node holds, below ``rank-NNNNN/``)."""
+    recover: tuple[tuple[int, str] | None, ...]
+    """Per lower level: the newest level-1 checkpoint it lacks, ``(step, dirname)`` (a flush a crash
+    cut short), to flush again."""
+    memory: NodeMemory | None = None
+    """Level 1 is the node's memory: where, and which node each rank is on."""
+
+
+@dataclass(frozen=True)
+class NodeMemory:
+    """A memory level 1 as opened (levels/memory.py)."""
+
+    node: Storage
+    """This node's directory: every rank's part this node holds, below ``rank-NNNNN/``."""
+    nodes: NodeTable
+    """Which node each rank is on."""
 
 
 def open_levels(specs: Sequence[LevelSpec], comm: Comm, new_generation: Callable[[], str]) -> Opening:
@@ -184,7 +193,7 @@ def open_levels(specs: Sequence[LevelSpec], comm: Comm, new_generation: Callable
     rank, world = comm.rank, comm.world_size
     memory = specs[0].memory
     key = node_key() if memory else ""
-    storages = [open_memory(specs, rank, key) if i == 0 and memory else open_storage(s) for i, s in enumerate(specs)]
+    storages = [open_memory(specs, rank, key) if i == 0 and memory else level_storage(s) for i, s in enumerate(specs)]
     for i, s in enumerate(storages):
         if s.protocol == "memory" and world > 1:
             raise CheckpointError(f"levels[{i}] ({s.describe('')}): memory:// lives in one process and cannot hold "
@@ -221,8 +230,9 @@ def open_levels(specs: Sequence[LevelSpec], comm: Comm, new_generation: Callable
     own = complete_everywhere([v.get(str(r), []) for r, v in enumerate(held)], world) if node_local else []
     # Also: every sweep is done before any rank writes (rank 0's failure is raised on every rank).
     recover = on_rank0(comm, lambda: _sweep_shared(levels, node_local, own, world))
-    return Opening(levels, generation, tuple((int(s), str(d)) for s, d in complete), tuple(recover), nodes,
-                   storages[0] if memory else None)
+    again = tuple(None if r is None else (int(r[0]), str(r[1])) for r in recover)  # broadcast: lists
+    return Opening(levels, generation, tuple((int(s), str(d)) for s, d in complete), again,
+                   NodeMemory(storages[0], nodes) if nodes is not None else None)
 
 
 def open_memory(specs: Sequence[LevelSpec], rank: int, node: str) -> Storage:
@@ -237,7 +247,7 @@ def open_memory(specs: Sequence[LevelSpec], rank: int, node: str) -> Storage:
     except OSError as e:
         raise CheckpointError(f"memory level: cannot create {path} ({e}); name a writable tmpfs directory as the "
                               "level's 'path'") from e
-    storage = Storage(path)
+    storage = open_storage(path)
     storage.in_memory = in_memory_fs(path)
     return storage
 
@@ -322,7 +332,7 @@ def _create_roots(storages: Sequence[Storage], world: int, generation: str) -> s
 
 
 def _sweep_shared(levels: Sequence[Level], node_local: bool, complete: Sequence[tuple[int, str]],
-                  world: int) -> list[str | None]:
+                  world: int) -> list[tuple[int, str] | None]:
     """Rank 0: sweep the shared levels, drop stale ``flushing`` decisions; per lower level, the
     checkpoint to flush again (see :func:`_to_recover`)."""
     for level in levels if not node_local else levels[1:]:
@@ -332,9 +342,10 @@ def _sweep_shared(levels: Sequence[Level], node_local: bool, complete: Sequence[
     return [_to_recover(levels[0], level, complete, world) for level in levels[1:]]
 
 
-def _to_recover(fast: Level, lower: Level, complete: Sequence[tuple[int, str]], world: int) -> str | None:
-    """The newest checkpoint of level 1, when ``lower`` has no checkpoint of that step and it was
-    written by this many ranks (each rank copies its own files)."""
+def _to_recover(fast: Level, lower: Level, complete: Sequence[tuple[int, str]],
+                world: int) -> tuple[int, str] | None:
+    """The newest checkpoint of level 1, ``(step, dirname)``, when ``lower`` has no checkpoint of that
+    step and it was written by this many ranks (each rank copies its own files)."""
     if fast.node_local:
         newest = max(complete, default=None)
     else:
@@ -350,4 +361,4 @@ def _to_recover(fast: Level, lower: Level, complete: Sequence[tuple[int, str]], 
     below = manifest_dirs(lower.storage)
     if newest is None or (below and below[-1][0] >= newest[0]):
         return None
-    return newest[1]
+    return newest

@@ -42,21 +42,22 @@ from ..format.entries import data_file, index_file
 from ..format.manifest import RankIndex, check_coverage
 from ..load.agreed import Loaded, WholeRead, read_for_rank, read_whole
 from ..load.exchange import Exchange
-from ..load.open import Opened
+from ..load.open import Opened, open_checkpoint
 from ..load.search import Read, Reading, search
 from .assemble import Assembly, Parts, read_parts, whole_figures
 from .open import RANK_COMMIT, Level, Partial, RankCommit, assemblable, partial
 
 if TYPE_CHECKING:
     from ..storage import Storage
+    from .first import FirstLevel
 
 
 class Levels(Protocol):
     """What a restore reads from: the levels of one ``MultiLevel`` (levels/multilevel.py), fastest first."""
 
     levels: tuple[Level, ...]
-    fast: Level
-    node_local: bool
+    first: FirstLevel
+    """Level 1's committer (levels/first.py): the node-local parts this rank holds, and where it reads them."""
     assembly: Assembly | None
     """Set by :func:`load_levels`: what this rank moved to restore from the node-local level 1
     (``None`` when it restored from a shared level)."""
@@ -64,14 +65,6 @@ class Levels(Protocol):
     def steps(self) -> list[int]:
         """Committed steps this process can see on any level, oldest first."""
 
-    def held(self) -> dict[str, list[tuple[int, str, int]]]:
-        """The committed node-local level-1 parts this rank can read now, by writer."""
-
-    def node_parts(self) -> Storage:
-        """This node's memory as one checkpoint root."""
-
-    def part_storage(self, writer: int) -> Storage:
-        """Where this rank reads ``writer``'s part on the node-local level 1."""
 
 @dataclass(frozen=True)
 class Candidate:
@@ -129,44 +122,67 @@ def _ranks(ranks: Sequence[int]) -> str:
     return ", ".join(map(str, ranks))
 
 
+def open_newest_shared(levels: Sequence[Level], world_size: int) -> Loaded:
+    """The newest checkpoint of the shared levels (the fastest on a tie), opened, not read; no
+    communication (``load_local()`` before any load). :class:`NoCheckpointError` names level 1."""
+    shared = {lv.index: manifest_dirs(lv.storage) for lv in levels if not lv.node_local}
+    found = candidates(shared, None, world_size)
+    if not found:
+        raise NoCheckpointError(f"no committed checkpoint at {levels[0].storage.describe('')}")
+    storage = levels[found[0].level].storage
+    return Loaded(open_checkpoint(storage, found[0].dirname), storage, found[0].level)
+
+
 def load_levels(ml: Levels, comm: Comm, step: int | None, fallback: bool, threads: int,
-                failures: list[str], into: Any = None, exchange: Exchange | None = None) -> tuple[Any, Loaded]:
+                failures: list[str], into: Any = None, exchange: Exchange | None = None, *,
+                rank: int | None = None) -> tuple[Any, Loaded]:
     """Every rank: ``(state, loaded)`` of the newest checkpoint (or ``step``) that verifies on all
     ranks (``into`` filled in place from it, when given: load/into.py); see the module docstring.
     The candidates are tried by the one search of load/search.py (which errors fall back, which end
     it); ``exchange``: the route of a shared level's large pieces (load/exchange.py), as on one level.
 
-    Appends what failed to ``failures``. Raises :class:`NoCheckpointError` when no level has one.
+    ``rank`` given (with a ``LocalComm``): this process alone, as rank ``rank`` (``load()``): the
+    shared levels, and the node-local level-1 checkpoints this rank holds every part of (a memory
+    level: its node's own and replicas); no word of those it holds in part, which ``restore()`` may
+    assemble across ranks. Appends what failed to ``failures``. Raises :class:`NoCheckpointError`
+    when no level has one.
     """
     ml.assembly = None
+    alone = rank is not None
+    rank = comm.rank if rank is None else rank
     found, parts = _agree(ml, comm, step)
+    if alone:
+        parts = []
     names = ", ".join(level.name for level in ml.levels)
     if not found:
         which = "" if step is None else f" of step {step}"
         message = f"no committed checkpoint{which} on any level ({names}); committed steps: {ml.steps()}"
+        if alone and ml.first.level.node_local:
+            message += ("; this process alone reads only the checkpoints its node holds whole: restore() (every "
+                        "rank together) assembles the node-local ones across the ranks")
         if parts:  # the front ends start afresh on this error: not without a word
-            lost = partial_warning(ml.fast.name, parts, "no other checkpoint to restore")
+            lost = partial_warning(ml.first.level.name, parts, "no other checkpoint to restore")
             warnings.warn(CheckpointWarning(lost), stacklevel=4)
             message += "; " + lost
         raise NoCheckpointError(message)
 
     def read(c: Candidate) -> Reading[tuple[tuple[Any, Loaded], Assembly | None]]:
         if c.whole:
-            return Read(_read_node_whole(ml, c, threads, comm.rank, into))
+            return Read(_read_node_whole(ml, c, threads, rank, into))
         if c.node_local:
-            return _Assembling(read_parts(ml.fast, ml.part_storage, c.step, c.dirname, c.readers, comm.rank),
-                               comm, into)
+            mine = read_parts(ml.first.level, ml.first.part_storage, c.step, c.dirname, c.readers, rank)
+            return _Assembling(mine, comm, into)
         level = ml.levels[c.level]
-        return _Shared(read_whole(level.storage, c.dirname, comm.rank, threads, into=into, exchange=exchange,
+        return _Shared(read_whole(level.storage, c.dirname, rank, threads, into=into, exchange=exchange,
                                   level=level.index))
 
-    c, (done, ml.assembly) = search(found, read, comm, rank=comm.rank, fallback=fallback, failures=failures,
+    c, (done, ml.assembly) = search(found, read, comm, rank=rank, fallback=fallback, failures=failures,
                                     where=lambda c: f"{ml.levels[c.level].name} {c.dirname}",
                                     scope=f"on any level ({names})")
     skipped = [p for p in parts if p.step > c.step]
     if skipped:
         warnings.warn(CheckpointWarning(partial_warning(
-            ml.fast.name, skipped, f"restored step {c.step} from {ml.levels[c.level].name}")), stacklevel=4)
+            ml.first.level.name, skipped, f"restored step {c.step} from {ml.levels[c.level].name}")), stacklevel=4)
     return done
 
 
@@ -208,13 +224,14 @@ class _Assembling:
 def _agree(ml: Levels, comm: Comm, step: int | None) -> tuple[list[Candidate], list[Partial]]:
     """One all-gather: rank 0's view of the shared levels and every rank's node-local commits; the
     candidates, and the node-local checkpoints held only in part (of ``step`` only, when given)."""
-    mine: dict[str, Any] = {"held": ml.held() if ml.node_local else {}}
+    node_local = ml.first.level.node_local
+    mine: dict[str, Any] = {"held": ml.first.held() if node_local else {}}
     if comm.rank == 0:
         mine["shared"] = [[level.index, manifest_dirs(level.storage, step)] for level in ml.levels
                           if not level.node_local]
     views = comm.all_gather(mine) if comm.world_size > 1 else [mine]
     shared = {int(i): dirs for i, dirs in views[0]["shared"]}
-    held = [v["held"] for v in views] if ml.node_local else None
+    held = [v["held"] for v in views] if node_local else None
     parts = [p for p in partial(held) if step is None or p.step == step] if held else []
     return candidates(shared, held, comm.world_size, step), parts
 
@@ -226,18 +243,19 @@ def _read_node_whole(ml: Levels, c: Candidate, threads: int, rank: int,
     it as a shared level is read (this rank's share of the state, its own and writer 0's ``local``),
     every byte verified, with no exchange."""
     started = time.perf_counter()
-    view = ml.node_parts()
+    view = ml.first.node_parts()
     opened = _open_parts(ml, view, c.dirname, len(c.readers))
     state, verified = read_for_rank(view, opened, rank, threads, into=into)
-    return (state, Loaded(opened, view, ml.fast.index, verified)), whole_figures(c.step, opened, rank, started)
+    return (state, Loaded(opened, view, ml.first.level.index, verified)), whole_figures(c.step, opened, rank, started)
 
 
 def _open_parts(ml: Levels, view: Storage, dirname: str, writers: int) -> Opened:
     """The manifest of ``dirname`` rebuilt from its writers' ``rank-commit.json`` and their index
     files, each index checked against its writer's commit (what ``open_checkpoint`` does with a manifest)."""
     where = view.describe(dirname)
-    commits = [RankCommit.from_json(ml.part_storage(w).read_bytes(f"{dirname}/{RANK_COMMIT}"),
-                                    ml.part_storage(w).describe(f"{dirname}/{RANK_COMMIT}")) for w in range(writers)]
+    part = ml.first.part_storage
+    commits = [RankCommit.from_json(part(w).read_bytes(f"{dirname}/{RANK_COMMIT}"),
+                                    part(w).describe(f"{dirname}/{RANK_COMMIT}")) for w in range(writers)]
     manifest = commits[0].manifest([rc.record for rc in commits], where)
     indexes = []
     for w, rc in enumerate(commits):

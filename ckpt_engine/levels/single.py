@@ -1,28 +1,32 @@
 """One path: the destination of a ``Checkpointer`` with a single level (see destination.py).
 
-Rank 0 creates and sweeps the root at open and commits every attempt on its persist thread (the
-manifest, commit.py); the other ranks wait for that manifest in ``wait()``. Retention runs on rank
-0 after each commit; under a full storage, persist may make room (``failure.py``). Reading is
+Rank 0 creates and sweeps the root at open; the path is committed as a shared level 1 is
+(levels/first.py :class:`~ckpt_engine.levels.first.SharedFirst`: rank 0's persist thread writes
+the manifest, commit.py; the other ranks wait for it in ``wait()``). Retention runs on rank 0
+after each commit; under a full storage, persist may make room (``failure.py``). Reading is
 :func:`ckpt_engine.load.agreed.restore`: with the job's communicator for ``restore()``, alone for ``load()``.
+
+Not a :class:`~ckpt_engine.levels.multilevel.MultiLevel` without flushers: its open (no probe,
+``readonly``) and its ``load()`` (no communication, a progress bar) are those of a plain path.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from ..agree import on_rank0
 from ..comm import Comm, LocalComm
 from ..config import LevelSpec
-from ..errors import CheckpointError, NoCheckpointError
-from ..format.catalog import committed, manifest_dirs
+from ..errors import CheckpointError
+from ..format.catalog import committed
 from ..load.agreed import Loaded, restore
 from ..load.exchange import Exchange
-from ..load.open import open_checkpoint
-from ..save.commit import CommitInputs, retain, sweep, wait_for_commit, write_abort
+from ..save.commit import CommitInputs, retain, sweep
 from ..save.persist import PersistJob
 from ..storage import Storage
 from .destination import Retention, new_generation
-from .open import Level, open_storage
+from .first import SharedFirst
+from .open import Level, level_storage
 
 
 class SingleLevel:
@@ -30,37 +34,34 @@ class SingleLevel:
 
     make_room = True
     full_is_warning = False
-    buffers = None
+    buffers: Callable[[int, bool], Any] | None = None
     """Snapshot buffers are ordinary host memory (a memory level makes them files: save/filebuffers.py)."""
 
     def __init__(self, spec: LevelSpec, comm: Comm, *, readonly: bool = False) -> None:
         """Open the root (a collective: rank 0 creates and sweeps it unless ``readonly``; its failure
         is raised on every rank) and agree on this incarnation's tag."""
-        storage = open_storage(spec)
+        storage = level_storage(spec)
         if storage.protocol == "memory" and comm.world_size > 1:
             raise CheckpointError(f"{spec.path!r}: memory:// lives in one process and cannot hold a checkpoint of "
                                   f"{comm.world_size} ranks; use a shared filesystem or object store")
         self.storage, self.keep_last, self.comm = storage, spec.keep_last, comm
-        self.levels = (Level(0, storage, spec.keep_last),)
+        self.levels: tuple[Level, ...] = (Level(0, storage, spec.keep_last),)
+        self.first = SharedFirst(self.levels[0], comm)
         self.generation: str = on_rank0(comm, lambda: _open_root(storage, readonly))
         self._retention = Retention()
 
     # ---- saving ---------------------------------------------------------------------------------
-    def kept_buffers(self) -> int:
-        """No snapshot buffer outlives its persist here."""
-        return 0
-
-    def admit(self, nbytes: int) -> None:
-        """Nothing to check: a path has no budget (a full storage is handled at the write, failure.py)."""
+    def admit(self, nbytes: int) -> int:
+        """Nothing to check, no snapshot buffer outlives its persist (levels/first.py)."""
+        return self.first.admit(nbytes)
 
     def saving(self, dirname: str, inputs: CommitInputs) -> CommitInputs | None:
         """Rank 0's persist worker commits every attempt."""
-        return inputs if self.comm.rank == 0 else None
+        return self.first.saving(dirname, inputs)
 
     def skipped(self, dirname: str, step: int, saved_at: float) -> None:
         """An abort marker, so that rank 0's commit stops waiting for this rank."""
-        if self.comm.world_size > 1:
-            write_abort(self.storage, dirname, self.comm.rank, "skipped")
+        self.first.skipped(dirname)
 
     def persisted(self, job: PersistJob) -> bool:
         """Rank 0, after a commit: retention (older attempts, ``keep_last``) on the retention thread."""
@@ -70,8 +71,7 @@ class SingleLevel:
         return True
 
     def await_commit(self, dirname: str, timeout: float) -> None:
-        if self.comm.rank != 0:
-            wait_for_commit(self.storage, dirname, self.comm.world_size, timeout)
+        self.first.await_commit(dirname, timeout)
 
     def drain(self, timeout: float) -> None:
         """Nothing below this level."""
@@ -98,12 +98,6 @@ class SingleLevel:
     def restore(self, step: int | None, fallback: bool, threads: int, failures: list[str],
                 into: Any = None, exchange: Exchange | None = None) -> tuple[Any, Loaded]:
         return restore(self.storage, self.comm, step, fallback, threads, failures, into=into, exchange=exchange)
-
-    def open_newest(self) -> Loaded:
-        found = manifest_dirs(self.storage)
-        if not found:
-            raise NoCheckpointError(f"no committed checkpoint at {self.storage.describe('')}")
-        return Loaded(open_checkpoint(self.storage, found[-1][1]), self.storage)
 
 
 def _open_root(storage: Storage, readonly: bool) -> str:

@@ -1,20 +1,14 @@
 """The storage contract: what the engine asks of a checkpoint root, and what both implementations share.
 
-``Storage(url)`` opens the URL with fsspec and returns the implementation for it, the way
-``pathlib.Path(...)`` returns a ``PosixPath``: :class:`~.local.LocalStorage` for this machine's
-files, :class:`~.fsspec_storage.FsspecStorage` for everything else (each registers itself with
-:func:`register`; this module imports neither). Why ``__new__`` and not a
-factory function: ``Storage(url, storage_options)`` is how the README, the front ends and users'
-code open a root, and ``isinstance(x, Storage)`` is how a level given as an object is told from
-a URL, so both keep working unchanged.
+:func:`~.open.open_storage` opens a URL with fsspec and returns the implementation for it:
+:class:`~.local.LocalStorage` for this machine's files, :class:`~.fsspec_storage.FsspecStorage` for
+everything else. :class:`Storage` is an ordinary abstract base: ``isinstance(x, Storage)`` is how a level
+given as an object is told from a URL, and a backend of your own subclasses it (and runs
+:mod:`ckpt_engine.testing.storage_contract`). What changes how another storage behaves (the doubles of
+:mod:`ckpt_engine.testing`, a user's own fault injection) wraps it: :class:`~.wrapper.StorageWrapper`.
 
-A subclass of ``Storage`` itself (the doubles of :mod:`ckpt_engine.testing`, a user's own fault
-injection) works on either implementation: ``SlowStorage(url)`` returns an instance of a class
-made once per pair, ``SlowStorage`` first and the implementation after it, so ``super()`` in its
-overrides reaches the real operation for that URL (the class keeps the subclass's name; it
-pickles as the subclass plus its state). Such a subclass keeps ``(url, storage_options, ...)``
-as its constructor's first arguments. A subclass of an implementation opens only what that
-implementation opens.
+``Storage(url, storage_options)``, the way to open a root before ``open_storage``, still works for one
+release: it warns (``DeprecationWarning``) and returns ``open_storage(url, storage_options)``.
 
 Guarantees of every implementation:
 
@@ -29,6 +23,8 @@ from __future__ import annotations
 
 import abc
 import posixpath
+import uuid
+import warnings
 from typing import Any, Callable, ClassVar, Iterable, Iterator, Sequence, TypeVar
 
 import fsspec
@@ -42,7 +38,18 @@ T = TypeVar("T")
 TMP_PREFIX = ".tmp-"
 """Name prefix of the temporary files ``write_atomic`` renames into place."""
 
+
+def temp_name(rel: str) -> str:
+    """A fresh name for the temporary file that ``write_atomic`` of ``rel`` renames into place (beside it)."""
+    folder, name = posixpath.split(rel)
+    return posixpath.join(folder, f"{TMP_PREFIX}{uuid.uuid4().hex}-{name}")
+
+
 Chunks = Sequence[memoryview | bytes] | Iterable[memoryview | bytes]
+
+_opener: Callable[..., "Storage"] | None = None
+""":func:`~.open.open_storage`, put here by :mod:`.open` (which imports the implementations, which import
+this module, so this one cannot import it): what the deprecated ``Storage(url)`` calls."""
 
 
 class Storage(abc.ABC):
@@ -58,7 +65,6 @@ class Storage(abc.ABC):
     """How often waits poll this storage (:mod:`.poll`)."""
     can_append: ClassVar[bool] = False
     """Whether :meth:`append` works here (object stores have no append)."""
-    _backend: ClassVar[str | None] = None  # set by the implementations: "local" or "fsspec"
     in_memory: bool = False
     """The files live in the node's memory (a memory level's tmpfs, set by ``levels/open.py``): a
     reader may map them instead of copying them out (:meth:`Reader.mapped`)."""
@@ -69,27 +75,38 @@ class Storage(abc.ABC):
     """The filesystem's protocol (``file``, ``memory``, ``s3``...)."""
     retry_deadline: float
 
-    def __new__(cls, url: str | None = None, storage_options: dict[str, Any] | None = None,
-                *args: Any, **kwargs: Any) -> "Storage":
-        if url is None or cls._backend is not None:
-            return super().__new__(cls)
-        fs, root = _open_url(url, storage_options)
-        obj = super().__new__(_implementing(cls, fs))
-        obj.__dict__["_opened"] = (fs, root)  # for __init__: the URL is resolved once
-        return obj
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Storage":
+        if cls is Storage:  # the spelling before open_storage: kept one release
+            warnings.warn("Storage(url) is deprecated; use ckpt_engine.open_storage(url, storage_options)",
+                          DeprecationWarning, stacklevel=2)
+            assert _opener is not None, "ckpt_engine.storage.open sets it when the package is imported"
+            return _opener(*args, **kwargs)  # Python then runs its __init__ again: opened again, same state
+        if cls.__abstractmethods__:
+            raise TypeError(f"{cls.__name__} subclasses Storage without implementing "
+                            f"{sorted(cls.__abstractmethods__)}: to change how a real storage behaves (a fault "
+                            f"injected), subclass ckpt_engine.StorageWrapper and give it the storage "
+                            f"({cls.__name__}(open_storage(url))); for a backend of your own, implement those methods")
+        return super().__new__(cls)
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *,
                  retry_deadline: float = 60.0) -> None:
-        opened = self.__dict__.pop("_opened", None)
-        fs, root = opened if opened is not None else _open_url(url, storage_options)
-        self.url = str(url)
+        """Open ``url`` with this implementation (:func:`~.open.open_storage` picks the one for the URL)."""
+        self._setup(str(url), *open_url(url, storage_options), retry_deadline)
+
+    def _setup(self, url: str, fs: Any, root: str, retry_deadline: float) -> None:
+        """Take the URL and its opened filesystem and root (:func:`~.open.open_storage` opens it once)."""
+        self.url = url
         self.protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
         self.retry_deadline = retry_deadline
         self._attach(fs, root)
 
-    @abc.abstractmethod
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
     def _attach(self, fs: Any, root: str) -> None:
-        """Take the opened filesystem and root (in its terms); refuse one this class cannot serve."""
+        """Take the opened filesystem and root (in its terms); refuse one this class cannot serve.
+        Implementations opened from a URL by :meth:`__init__` define it."""
+        raise NotImplementedError(f"{type(self).__name__} opens no URL: override __init__, or define _attach")
 
     # ---- naming -------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -101,17 +118,18 @@ class Storage(abc.ABC):
         return f"{self.protocol}://{self.path(*parts)}"
 
     def child(self, name: str) -> "Storage":
-        """The same storage (same class and settings, same filesystem client, same test-double
-        state) rooted at ``name`` below this root: a rank's own subtree of a node-local level."""
+        """The same storage (same class and settings, same filesystem client) rooted at ``name``
+        below this root: a rank's own subtree of a node-local level."""
         sub = object.__new__(type(self))
         sub.__dict__.update(self.__dict__)
         sub._reroot(self.path(name))
         sub.url = f"{self.url.rstrip('/')}/{name}"
         return sub
 
-    @abc.abstractmethod
     def _reroot(self, root: str) -> None:
-        """Make ``root`` (a :meth:`path` of the old root) this storage's root."""
+        """Make ``root`` (a :meth:`path` of the old root) this storage's root; what :meth:`child` needs of
+        an implementation (one that cannot be rerooted overrides :meth:`child` instead)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be rerooted: override child, or define _reroot")
 
     # ---- writing ------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -342,7 +360,7 @@ class _StorageErrors:
         raise StorageError(f"could not {self.action} {self.where}: {type(exc).__name__}: {exc}") from exc
 
 
-def _open_url(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
+def open_url(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
     """``(fsspec filesystem, root in its terms)`` of ``url``; a :class:`StorageError` saying what to install."""
     try:
         return fsspec.core.url_to_fs(str(url), **(storage_options or {}))  # type: ignore[no-any-return]
@@ -351,50 +369,3 @@ def _open_url(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, st
                            "(for s3://: pip install 'ckpt-suite[s3]')") from e
     except ValueError as e:
         raise StorageError(f"cannot open checkpoint path {url!r}: {e}") from e
-
-
-_MIXED: dict[tuple[type, type], type] = {}
-
-_IMPLEMENTATIONS: list[tuple[bool, Callable[[Any], bool], type[Storage]]] = []
-"""The registry :func:`register` fills: ``(fallback, takes this filesystem?, implementation)``."""
-
-
-def register(takes: Callable[[Any], bool], *, fallback: bool = False) -> Callable[[type[Storage]], type[Storage]]:
-    """Class decorator: the decorated implementation serves the fsspec filesystems ``takes`` accepts;
-    a ``fallback`` one is asked only after every other (whatever the order of registration). The
-    package ``storage`` imports both of its implementations, so they are registered before any
-    ``Storage(url)``."""
-    def add(impl: type[Storage]) -> type[Storage]:
-        _IMPLEMENTATIONS.append((fallback, takes, impl))
-        return impl
-    return add
-
-
-def _implementing(cls: type[Storage], fs: Any) -> type[Storage]:
-    """``cls`` on the implementation registered for ``fs``: the implementation itself for ``Storage``."""
-    ordered = sorted(_IMPLEMENTATIONS, key=lambda entry: entry[0])  # stable: fallbacks last
-    impl = next((impl for _, takes, impl in ordered if takes(fs)), None)
-    if impl is None:
-        raise StorageError(f"no storage implementation takes {type(fs).__name__} (registered: "
-                           f"{[i.__name__ for _, _, i in _IMPLEMENTATIONS]})")
-    return impl if cls is Storage else _mixed(cls, impl)
-
-
-def _mixed(named: type[Storage], impl: type[Storage]) -> type[Storage]:
-    """The class of ``named`` on ``impl`` (made once): ``named``'s overrides first, ``impl`` under them."""
-    mixed = _MIXED.get((named, impl))
-    if mixed is None:  # setdefault: two threads making it at once end up with the same class
-        mixed = _MIXED.setdefault((named, impl), type(named.__name__, (named, impl), {
-            "__module__": named.__module__, "__qualname__": named.__qualname__, "__reduce__": _reduce_mixed}))
-    return mixed
-
-
-def _reduce_mixed(self: Storage) -> tuple[Any, ...]:
-    """Pickled as the subclass it was made from plus the state (a mixed class is not importable)."""
-    return _unpickle_mixed, (*type(self).__bases__, dict(self.__dict__))
-
-
-def _unpickle_mixed(named: type[Storage], impl: type[Storage], state: dict[str, Any]) -> Storage:
-    obj = object.__new__(_mixed(named, impl))
-    obj.__dict__.update(state)
-    return obj  # type: ignore[no-any-return]

@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from ..errors import CheckpointWarning, StorageError
 from . import guard, poll, s3_parts
-from .base import Chunks, Reader, Storage, _StorageErrors, register
+from .base import Chunks, Reader, Storage, _StorageErrors
 from .retry import is_not_implemented, retrying
 
 T = TypeVar("T")
@@ -47,12 +47,10 @@ _NO_UPLOAD_LISTING: "weakref.WeakSet[Any]" = weakref.WeakSet()
 """Filesystems (equal when URL options are) whose server answered 501 to ListMultipartUploads."""
 
 
-@register(lambda fs: True, fallback=True)  # every filesystem the others do not take
 class FsspecStorage(Storage):
     """A checkpoint root on any fsspec filesystem (see the module docstring)."""
 
     polling = poll.OBJECT_STORE
-    _backend = "fsspec"
 
     fs: Any
     """The fsspec filesystem (shared by every storage of equal URL options: fsspec caches them)."""

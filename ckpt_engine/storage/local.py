@@ -16,7 +16,6 @@ import fcntl
 import mmap
 import os
 import shutil
-import uuid
 import weakref
 from typing import Any, Callable, Iterable, Sequence, TypeVar
 
@@ -26,7 +25,7 @@ from fsspec.implementations.local import LocalFileSystem
 from ..errors import StorageError
 from ..host.hugepages import map_file
 from . import guard, poll
-from .base import TMP_PREFIX, Chunks, Reader, Storage, register
+from .base import Chunks, Reader, Storage, temp_name
 
 T = TypeVar("T")
 _SHARED: "weakref.WeakValueDictionary[tuple[int, int], mmap.mmap]" = weakref.WeakValueDictionary()
@@ -41,13 +40,11 @@ def share_mapping(fd: int, mapping: mmap.mmap) -> None:
     _SHARED[(st.st_dev, st.st_ino)] = mapping
 
 
-@register(lambda fs: isinstance(fs, LocalFileSystem))
 class LocalStorage(Storage):
     """A checkpoint root on this machine's filesystem (see the module docstring)."""
 
     polling = poll.LOCAL
     can_append = True
-    _backend = "local"
 
     root: str
     """Absolute path of the root."""
@@ -57,7 +54,7 @@ class LocalStorage(Storage):
 
     def _attach(self, fs: Any, root: str) -> None:
         if not isinstance(fs, LocalFileSystem):
-            raise StorageError(f"{self.url} is not a local path ({type(fs).__name__}): open it with Storage(url)")
+            raise StorageError(f"{self.url} is not a local path ({type(fs).__name__}): open it with open_storage(url)")
         self.root = os.path.abspath(root)
         self.direct_io = _DIRECT_FLAG != 0 and os.environ.get("CKPT_DIRECT_IO", "1") != "0"
 
@@ -109,7 +106,7 @@ class LocalStorage(Storage):
 
     def write_atomic(self, rel: str, data: bytes, *, durable: bool = True) -> None:
         final = self.path(rel)
-        tmp = os.path.join(os.path.dirname(final), f"{TMP_PREFIX}{uuid.uuid4().hex}-{os.path.basename(final)}")
+        tmp = self.path(temp_name(rel))
         try:
             self.run("write", rel, lambda: _write_file(tmp, data, durable))
             self.run("rename", rel, lambda: os.replace(tmp, final))

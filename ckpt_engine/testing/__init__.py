@@ -12,9 +12,9 @@ the real ones do, so a value that would not cross a real communicator fails here
 * :class:`ThreadComm` with :func:`run_ranks` — each rank on a thread of its own, with real
   rendezvous: every collective works (``restore()``, ``agree``), in the same order on every rank.
 
-Storages are the real :class:`~ckpt_engine.storage.Storage` (any fsspec URL: ``FailingStorage(url)``
-is the local or the fsspec implementation with the fault on top) with one fault injected into the
-writes of data files, inside the real write path:
+Storages wrap a real one (:class:`~ckpt_engine.storage.StorageWrapper`: ``FailingStorage(open_storage(url))``,
+or ``FailingStorage(url)`` for short, on any fsspec URL) and inject one fault into the writes of data
+files, in the real write path:
 
 * :class:`FailingStorage` — a write of a file whose name contains ``fail_on`` breaks after half of
   its bytes with ``ENOSPC`` (a disk that fills up, a connection that drops mid-write);
@@ -25,14 +25,21 @@ writes of data files, inside the real write path:
   the data, between data and index, the manifest, ``latest``, retention...), the process is
   SIGKILLed (the job dies there; its restart shows what it makes of what was left).
 
-A fault of your own: subclass ``Storage`` (or one of these), override the operation and call
-``super()`` for the real one; raise from inside :meth:`~ckpt_engine.storage.Storage.run` (e.g.
-``return self.run("write", rel, fail)``) to fail exactly as a backend error does (a
-``StorageError`` naming the action and the path, the original error as its cause).
+* :class:`CountingStorage` — counts the bytes read from data files.
+
+A double's :meth:`~ckpt_engine.storage.StorageWrapper.child` (a rank's subtree of a node-local level)
+is the same double over the inner storage's child, sharing its gate and counts.
+
+A fault of your own: subclass :class:`~ckpt_engine.storage.StorageWrapper` (or one of these), override
+the operation and call ``super()`` for the real one; raise from inside
+:meth:`~ckpt_engine.storage.Storage.run` (e.g. ``return self.run("write", rel, fail)``) to fail exactly
+as a backend error does (a ``StorageError`` naming the action and the path, the original error as its
+cause).
 """
 
 from __future__ import annotations
 
+import collections
 import errno
 import json
 import os
@@ -44,7 +51,8 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 from ..format.catalog import LATEST, parse_dir
 from ..format.entries import MANIFEST_NAME
-from ..storage import LocalStorage, Storage
+from ..storage import LocalStorage, Storage, StorageWrapper
+from ..storage.base import temp_name
 
 T = TypeVar("T")
 
@@ -114,10 +122,13 @@ def run_ranks(world_size: int, fn: Callable[[ThreadComm], T], timeout: float = 1
     return out
 
 
-class FailingStorage(Storage):
-    """The real storage; writing a file whose name contains ``fail_on`` breaks halfway (ENOSPC)."""
+class FailingStorage(StorageWrapper):
+    """The real storage; writing a file whose name contains ``fail_on`` breaks halfway (ENOSPC).
+    ``fail_on`` may be changed at any time (``None``: no fault)."""
 
-    fail_on: str | None = None
+    def __init__(self, inner: Storage | str, *args: Any, fail_on: str | None = None, **kwargs: Any) -> None:
+        super().__init__(inner, *args, **kwargs)
+        self.fail_on = fail_on
 
     def write_stream(self, rel: str, chunks: Any, **kw: Any) -> int:
         if self.fail_on and self.fail_on in rel:
@@ -132,59 +143,81 @@ def _break_halfway(chunks: Iterable[Any]) -> Iterable[bytes]:
     raise OSError(errno.ENOSPC, "No space left on device (injected)")
 
 
-class SlowStorage(Storage):
+class _Tally:
+    """Numbers a double and its children count together (a child is a copy: a plain int would not be shared)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+
+class SlowStorage(StorageWrapper):
     """The real storage, sleeping ``delay`` seconds before each data-file (``.bin``) write;
-    ``active``/``max_active`` count the writers at once."""
+    ``active``/``max_active`` count the writers at once (its children's too)."""
 
     delay = 0.05
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.active = 0
-        self.max_active = 0
-        self._lock = threading.Lock()
+    def __init__(self, inner: Storage | str, *args: Any, delay: float | None = None, **kwargs: Any) -> None:
+        super().__init__(inner, *args, **kwargs)
+        if delay is not None:
+            self.delay = delay
+        self._tally = _Tally()
+
+    @property
+    def active(self) -> int:
+        return self._tally.counts["active"]
+
+    @property
+    def max_active(self) -> int:
+        return self._tally.counts["max_active"]
 
     def write_stream(self, rel: str, chunks: Any, **kw: Any) -> int:
         if rel.endswith(".bin") and self.delay:
-            with self._lock:
-                self.active += 1
-                self.max_active = max(self.max_active, self.active)
+            counts = self._tally.counts
+            with self._tally.lock:
+                counts["active"] += 1
+                counts["max_active"] = max(counts["max_active"], counts["active"])
             try:
                 time.sleep(self.delay)
             finally:
-                with self._lock:
-                    self.active -= 1
+                with self._tally.lock:
+                    counts["active"] -= 1
         return super().write_stream(rel, chunks, **kw)
 
 
-class CountingStorage(Storage):
-    """The real storage, counting in ``data_read`` the bytes read from data files (``.bin``)."""
+class CountingStorage(StorageWrapper):
+    """The real storage, counting in ``data_read`` the bytes read from data files (``.bin``), its
+    children's reads included."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.data_read = 0
-        self._lock = threading.Lock()
+    def __init__(self, inner: Storage | str, *args: Any, **kwargs: Any) -> None:
+        super().__init__(inner, *args, **kwargs)
+        self._tally = _Tally()
+
+    @property
+    def data_read(self) -> int:
+        return self._tally.counts["data_read"]
 
     def reader(self, rel: str) -> Any:
         inner = super().reader(rel)
         if rel.endswith(".bin"):
-            read_steps = inner.read_steps  # every read goes through it (read_many and read_into too)
+            read_steps, tally = inner.read_steps, self._tally  # every read goes through it (read_many, read_into)
 
             def counted(offset: int, requests: Any, landed: Any) -> None:
                 read_steps(offset, requests, landed)
-                with self._lock:
-                    self.data_read += sum(len(d) for dests in requests for d in dests)
+                with tally.lock:
+                    tally.counts["data_read"] += sum(len(d) for dests in requests for d in dests)
 
             inner.read_steps = counted  # type: ignore[method-assign]
         return inner
 
 
-class GatedStorage(Storage):
+class GatedStorage(StorageWrapper):
     """The real storage; data-file (``.bin``) writes wait until ``gate`` is set. ``blocked`` is set
-    once a write waits at the gate (so a test knows, without sleeping, that the writer is held)."""
+    once a write waits at the gate (so a test knows, without sleeping, that the writer is held).
+    Its children wait at the same gate."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, inner: Storage | str, *args: Any, **kwargs: Any) -> None:
+        super().__init__(inner, *args, **kwargs)
         self.gate = threading.Event()
         self.blocked = threading.Event()
 
@@ -203,12 +236,14 @@ CRASH_INSTANTS: tuple[str, ...] = (
 RENAME_INSTANTS = frozenset({"torn-index", "torn-manifest", "torn-latest"})
 """Instants inside an atomic write: its temporary file written, not yet renamed into place. They exist
 where ``write_atomic`` renames a temporary file (this machine's files, :class:`LocalStorage`); an object
-store writes the file in one PUT, whole or not at all, so there they are the ``before-``/``after-`` ones."""
+store writes the file in one PUT, whole or not at all, so there they are the ``before-``/``after-`` ones.
+:class:`CrashStorage` makes such an instant as the real write would leave it: the temporary file, named as
+``write_atomic`` names it (:func:`~ckpt_engine.storage.base.temp_name`), written whole, then the crash."""
 
 
-class CrashStorage(Storage):
+class CrashStorage(StorageWrapper):
     """The real storage; at ``instant`` of the save of ``step`` it calls :meth:`crash` (default: SIGKILL
-    of this process's group), inside the real write path. The instants, in save order (the commit
+    of this process's group), in the real write path. The instants, in save order (the commit
     protocol of docs/FORMAT.md); the first five are each rank's, around its own files (whichever rank
     gets there first crashes):
 
@@ -235,16 +270,14 @@ class CrashStorage(Storage):
     job in a session of its own: kill the others, then call ``super().crash``).
     """
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, instant: str, step: int,
-                 **kwargs: Any) -> None:
-        super().__init__(url, storage_options, **kwargs)
+    def __init__(self, inner: Storage | str, *args: Any, instant: str, step: int, **kwargs: Any) -> None:
+        super().__init__(inner, *args, **kwargs)
         if instant not in CRASH_INSTANTS:
             raise ValueError(f"instant={instant!r} is not one of {CRASH_INSTANTS}")
-        if instant in RENAME_INSTANTS and not isinstance(self, LocalStorage):
+        if instant in RENAME_INSTANTS and not _renames(self.inner):
             raise ValueError(f"instant={instant!r}: {self.describe('')} writes a file in one request (no temporary "
                              "file renamed into place); use the before- or after- instant of that file")
         self.instant, self.step = instant, step
-        self._renaming: str | None = None
         self._committed = False
 
     def crash(self, rel: str, detail: str = "") -> None:
@@ -281,20 +314,29 @@ class CrashStorage(Storage):
             return super().write_atomic(rel, data, **kw)
         self._at(f"before-{kind}", rel)
         if self.instant == f"torn-{kind}":
-            self._renaming = rel
+            self._torn(rel, data)
         super().write_atomic(rel, data, **kw)
         self._committed = self._committed or kind == "manifest"
         self._at(f"after-{kind}", rel)
 
-    def run(self, action: str, rel: str, fn: Callable[[], T]) -> T:
-        if action == "rename" and rel == self._renaming:
-            self.crash(rel)
-        return super().run(action, rel, fn)
+    def _torn(self, rel: str, data: bytes) -> None:
+        """Crash where the real ``write_atomic`` of ``rel`` has written its temporary file, not renamed it."""
+        tmp = temp_name(rel)
+        super().write_stream(tmp, [data])
+        self.crash(rel)
+        super().remove(tmp)  # crash() returned (an override that lets the job go on): the real write follows
 
     def remove(self, rel: str) -> None:
         super().remove(rel)
         if self._committed:  # the first removal after the commit: retention's
             self._at("torn-retention", rel)
+
+
+def _renames(storage: Storage) -> bool:
+    """Whether ``write_atomic`` of ``storage`` (below its wrappers) renames a temporary file into place."""
+    while isinstance(storage, StorageWrapper):
+        storage = storage.inner
+    return isinstance(storage, LocalStorage)
 
 
 class _Torn:

@@ -14,8 +14,26 @@ azurite); a backend of your own runs it the same way (``pytest`` needed)::
 
         storage_options = {"endpoint_url": "http://127.0.0.1:9000"}   # optional
 
-Each test opens ``Storage(url, storage_options)`` on the root the ``url`` fixture gives. What differs
-by backend is asked of the storage itself (``can_append``, ``free_bytes()``), never of its name.
+Each test opens the root the ``url`` fixture gives with :meth:`StorageContract.open`:
+``open_storage(url, storage_options)``, the implementation the engine would pick. A storage class of
+your own (a ``Storage`` subclass, or a :class:`~ckpt_engine.storage.StorageWrapper` that must behave as
+what it wraps) overrides ``open``::
+
+    class TestMyWrapper(StorageContract):
+        def open(self, url):
+            return MyWrapper(open_storage(url))
+
+What differs by backend is asked of the storage itself (``can_append``, ``free_bytes()``), never of its
+name.
+
+The tests, by what they check: the URL, ``path``, ``describe`` and the settings (``protocol``,
+``polling``, ``can_append``, ``retry_deadline``, ``in_memory``); ``child`` and pickling; ``makedirs``;
+``write_stream`` (sequences, iterators, fresh-pass iterables, a failing one); ``write_atomic``;
+``append`` or its refusal; ``remove``; ``abort_uploads``; ``read_bytes``, ``size``, ``regular_size``,
+``exists``; a directory refused where a file is read; ``read_bytes``'s limit; a missing file; the
+:class:`~ckpt_engine.storage.Reader` (``read_into``, ``read_many``, ``read_steps``, ``mapped``,
+``run_max``, ``verify_step``, ``close``, a short file); ``listdir``, ``entries``, ``usage``;
+``free_bytes``; ``stale_temp_files``; ``run``.
 """
 
 from __future__ import annotations
@@ -26,8 +44,9 @@ from typing import Any, ClassVar, Iterator
 import pytest
 
 from ..errors import CheckpointError, FormatError, StorageError
-from ..storage import Storage
+from ..storage import Reader, Storage, open_storage
 from ..storage.base import TMP_PREFIX
+from ..storage.poll import Polling
 
 
 def _fail_io() -> None:
@@ -51,22 +70,36 @@ class StorageContract:
     storage_options: ClassVar[dict[str, Any]] = {}
 
     def open(self, url: str) -> Storage:
-        """The storage under test at ``url``."""
-        return Storage(url, dict(self.storage_options))
+        """The storage under test at ``url`` (override it for a class ``open_storage`` does not return)."""
+        return open_storage(url, dict(self.storage_options))
 
-    # ---- naming ---------------------------------------------------------------------------------
-    def test_paths_describe_and_a_child_rooted_below(self, url: str) -> None:
+    # ---- naming and settings --------------------------------------------------------------------
+    def test_paths_describe_and_settings(self, url: str) -> None:
         st = self.open(url)
-        assert st.url == url and st.protocol and st.describe("a/b").endswith("a/b")
-        assert st.path("a", "b") == st.path("a/b")
+        assert st.url == url and isinstance(st.protocol, str) and st.protocol
+        assert st.path("a", "b") == st.path("a/b") and st.path("a/b").endswith("a/b")
+        assert st.path().rstrip("/") == st.path("").rstrip("/")  # the root
+        assert st.describe("a/b").endswith("a/b") and st.describe("a/b") != st.describe("a")
+        assert isinstance(st.polling, Polling) and isinstance(st.can_append, bool)
+        assert isinstance(st.retry_deadline, (int, float)) and st.retry_deadline >= 0
+        assert st.in_memory is False  # only a memory level sets it (levels/open.py)
+
+    def test_a_child_is_rooted_below_shares_the_files_and_pickles(self, url: str) -> None:
+        st = self.open(url)
         st.makedirs("d/sub")
         st.write_stream("d/sub/a.bin", [b"x" * 10])
         child = st.child("d")
         assert type(child) is type(st) and child.url == f"{url.rstrip('/')}/d"
         assert child.read_bytes("sub/a.bin") == b"x" * 10 and child.describe("sub") == st.describe("d/sub")
-        again = pickle.loads(pickle.dumps(child))  # a storage travels to a process or thread as it is
-        assert type(again) is type(child) and again.describe("") == child.describe("")
         assert child.describe("").rstrip("/") == st.describe("d").rstrip("/")
+        child.write_atomic("sub/b.json", b"{}")  # the child writes where its parent reads
+        assert st.read_bytes("d/sub/b.json") == b"{}" and st.listdir("d/sub") == ["a.bin", "b.json"]
+        grandchild = child.child("sub")
+        assert grandchild.read_bytes("a.bin") == b"x" * 10 and grandchild.url == f"{url.rstrip('/')}/d/sub"
+        for one in (st, child):  # a storage travels to a process or thread as it is
+            again = pickle.loads(pickle.dumps(one))
+            assert type(again) is type(one) and again.describe("") == one.describe("") and again.url == one.url
+        assert pickle.loads(pickle.dumps(child)).read_bytes("sub/a.bin") == b"x" * 10
 
     # ---- writing --------------------------------------------------------------------------------
     def test_makedirs_is_idempotent_and_creates_the_root(self, url: str) -> None:
@@ -153,6 +186,18 @@ class StorageContract:
         assert st.exists("d/f.bin") and st.exists("d") and not st.exists("d/nope")
         assert st.size("d/nope") is None and st.regular_size("d/nope") is None
 
+    def test_a_directory_is_refused_where_a_file_is_read(self, url: str) -> None:
+        st = self.open(url)
+        st.makedirs("d/sub")
+        st.write_stream("d/sub/a.bin", [b"x"])
+        with pytest.raises(FormatError, match=r"d/sub.*directory"):
+            st.regular_size("d/sub")
+        with pytest.raises(FormatError, match=r"d/sub.*directory"):
+            st.read_bytes("d/sub")
+        with pytest.raises(CheckpointError, match="d/sub"):  # refused (local) or failing to read (object stores)
+            with st.reader("d/sub") as r:
+                r.read_into(0, memoryview(bytearray(1)))
+
     def test_read_bytes_refuses_more_than_its_limit_naming_the_file(self, url: str) -> None:
         st = self.open(url)
         st.makedirs("")
@@ -185,11 +230,20 @@ class StorageContract:
             steps = [[memoryview(bytearray(3))], [memoryview(bytearray(7)), memoryview(bytearray(5))]]
             r.read_steps(16000, steps, landed.append)
             assert landed == [0, 1] and b"".join(bytes(m) for req in steps for m in req) == data[16000:16015]
-            mapped = r.mapped()
-            assert mapped is None or bytes(mapped) == data
+            assert isinstance(r, Reader) and r.mapped() is None  # mapped only where the files are in memory
+            assert isinstance(r.run_max, int) and r.run_max > 0
+            assert r.verify_step is None or (isinstance(r.verify_step, int) and r.verify_step > 0)
             with pytest.raises(StorageError, match=r"f.bin.*file ends after 16384 bytes"):
                 r.read_into(16380, memoryview(bytearray(10)))
         r.close()  # closing again is fine
+        st.in_memory = True  # what a memory level sets: a reader may map the file instead of reading it
+        with st.reader("f.bin") as r:
+            mapped = r.mapped()
+            assert mapped is None or bytes(mapped) == data
+            del mapped
+            whole = bytearray(len(data))
+            r.read_into(0, memoryview(whole))
+            assert whole == data
 
     def test_listing_entries_and_usage_are_fresh_and_sorted(self, url: str) -> None:
         st = self.open(url)
@@ -204,6 +258,7 @@ class StorageContract:
         assert st.usage("top")[0] == 1
         st.write_atomic("d/c.json", b"[]")  # a second listing sees it: no stale cache
         assert st.listdir("d") == ["b.json", "c.json", "sub"] and st.usage("d")[0] == 14
+        assert st.entries("nope") == [] and st.entries("d/sub") == [("a.bin", "a file")]
 
     def test_free_bytes_is_a_count_or_unknown(self, url: str) -> None:
         free = self.open(url).free_bytes()
@@ -215,6 +270,8 @@ class StorageContract:
         st.write_stream(f"d/{TMP_PREFIX}m.json.1234", [b"half"])  # what a crashed write_atomic leaves
         st.write_atomic("d/m.json", b"{}")
         assert list(st.stale_temp_files("d")) == [f"d/{TMP_PREFIX}m.json.1234"]
+        st.write_stream(f"{TMP_PREFIX}latest.1", [b"7"])
+        assert list(st.stale_temp_files()) == [f"{TMP_PREFIX}latest.1"] and list(st.stale_temp_files("nope")) == []
 
     # ---- the hook every operation goes through --------------------------------------------------
     def test_run_turns_backend_errors_into_storage_errors_naming_action_and_path(self, url: str) -> None:
