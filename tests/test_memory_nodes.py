@@ -76,11 +76,15 @@ def _run(base: Path, name: str, nodes: list[str], env: dict, start: Job | None =
                         worker=WORKER, rank_env=rank_env)
     try:
         if kill:
-            for q in [lines_of(p) for p in procs]:
+            ends, tails = [], []
+            for q in [lines_of(p) for p in procs]:  # every rank's end, so that a failure shows the rank that failed first
                 seen = []
                 while (line := q.get(timeout=300)) not in ("done", "<eof>"):
                     seen.append(line)
-                assert line == "done", "\n".join(seen[-40:])
+                ends.append(line)
+                tails.append("\n".join(seen[-40:]))
+            assert ends == ["done"] * world, "\n".join(f"--- rank {r}: {end}\n{tail}"
+                                                      for r, (end, tail) in enumerate(zip(ends, tails)))
         else:
             for p in procs:
                 output, _ = p.communicate(timeout=300)
