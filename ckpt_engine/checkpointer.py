@@ -28,7 +28,7 @@ import warnings
 from collections import deque
 from typing import Any, Literal, Sequence
 
-from .comm import Comm, LocalComm, copy_threads_for, cores_per_rank
+from .comm import Comm, LocalComm, cores_per_rank
 from .config import CheckpointConfig
 from .config_levels import level_specs
 from .errors import CheckpointError, CheckpointWarning
@@ -76,10 +76,11 @@ class Checkpointer(CheckpointReading):
             :class:`CheckpointWarning` so training goes on (``"warn"``). Either way it never
             becomes visible, its files are removed, and the previous checkpoint stays loadable.
         commit_timeout: seconds rank 0 waits for every rank's files before failing the commit.
-        read_threads: parallel reads per rank in ``load()``; default: this machine's cores
-            divided among the ranks that share it (``LOCAL_WORLD_SIZE``, else the world size).
+        read_threads: parallel reads per rank in ``load()``; default: the cores this process may run
+            on divided among the ranks that share them (``LOCAL_WORLD_SIZE``, else the world size).
         copy_threads: threads of a snapshot copy training waits for (CPU tensors; a deferred
-            copy uses one); default: as ``read_threads`` where that is 4 or more, else 1.
+            copy uses one); default: as ``read_threads``, one per core the rank has (a helper where it
+            has a spare core, :func:`~ckpt_engine.comm.cores_per_rank`).
         restore_route: how ``restore()`` on several ranks gets the replicated state's large
             pieces: ``"read"`` (every rank reads all of them from storage), ``"exchange"`` (each
             rank reads 1/N and the communicator brings the rest), or ``"auto"`` (the default:
@@ -123,8 +124,8 @@ class Checkpointer(CheckpointReading):
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.on_busy, self.on_error = on_busy, on_error
         self.commit_timeout = commit_timeout
-        self.read_threads = read_threads or cores_per_rank(self.world_size)
-        self.copy_threads = copy_threads or copy_threads_for(self.world_size)
+        cores = cores_per_rank(self.world_size)
+        self.read_threads, self.copy_threads = read_threads or cores, copy_threads or cores
         self._exchange = Exchange(self.comm, restore_route)
         self._tally = Tally()
         self._dest = open_destination(specs, self.comm, readonly, commit_timeout, flush_retries, self._tally)

@@ -138,19 +138,15 @@ def cores_available() -> int:
 
 
 def cores_per_rank(world_size: int, cores: int | None = None) -> int:
-    """Cores per co-located rank, 1 to 4 (read and copy threads): ``cores`` (default
-    :func:`cores_available`) shared among the ranks of this node (``LOCAL_WORLD_SIZE``, else
-    ``world_size``). More threads than cores only add contention, and past 4 a copy or a read is
-    limited by memory or storage, not by a core."""
+    """Cores per co-located rank, 1 to 4: ``cores`` (default :func:`cores_available`) shared among the
+    ranks of this node (``LOCAL_WORLD_SIZE``, else ``world_size``). A ``Checkpointer``'s default read
+    threads and snapshot copy threads: one per core the rank has. More threads than cores only add
+    contention, and past 4 a copy or a read is limited by memory or storage, not by a core.
+
+    So a rank with a spare core (1 rank on 2 cores, 2 ranks on 4) copies its snapshot with a helper on
+    it (training waits for the copy, so the copy's wall time is the stall), and a rank with one core
+    copies alone: a helper there competes with the rank's own persist and flush threads and with the
+    data loader for that core (2 ranks on 2 cores, 2026-11-28: 10 ms more CPU to save 3 ms of wall time).
+    """
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     return max(1, min(4, (cores if cores is not None else cores_available()) // max(1, local)))
-
-
-def copy_threads_for(world_size: int, cores: int | None = None) -> int:
-    """Threads of a CPU snapshot copy training waits for, by default: one per core the rank has
-    (:func:`cores_per_rank`). A rank with a spare core (1 rank on 2 cores, 2 ranks on 4) copies with
-    a helper on it: training waits for the copy, so the copy's wall time is the stall. A rank with
-    one core copies alone: a helper there competes with the rank's own persist and flush threads and
-    with the data loader for that core (2 ranks on 2 cores, 2026-11-28: 10 ms more CPU to save 3 ms
-    of wall time)."""
-    return cores_per_rank(world_size, cores)

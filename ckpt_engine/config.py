@@ -78,11 +78,16 @@ def renamed(values: Mapping[str, Any], where: str) -> dict[str, Any]:
         value = out.pop(old)
         if value is not None or new not in out:
             out[new] = value
-        if old not in _warned:
-            _warned.add(old)
-            warnings.warn(f"{where}: {old!r} is deprecated and will be removed in the next release; "
-                          f"use {new!r} (Lightning's name)", DeprecationWarning, stacklevel=4)
+        _warn_once(old, where, stacklevel=5)
     return out
+
+
+def _warn_once(old: str, where: str, stacklevel: int) -> None:
+    """The ``DeprecationWarning`` of the old flag name ``old`` (:data:`RENAMED`), once per process."""
+    if old not in _warned:
+        _warned.add(old)
+        warnings.warn(f"{where}: {old!r} is deprecated and will be removed in the next release; "
+                      f"use {RENAMED[old]!r} (Lightning's name)", DeprecationWarning, stacklevel=stacklevel)
 
 
 @dataclass(frozen=True)
@@ -146,19 +151,19 @@ class CheckpointConfig:
     @property
     def path(self) -> Any:
         """Deprecated: :attr:`dirpath`."""
-        renamed({"path": None}, "CheckpointConfig")
+        _warn_once("path", "CheckpointConfig", stacklevel=3)
         return self.dirpath
 
     @property
     def every_n_steps(self) -> int | None:
         """Deprecated: :attr:`every_n_train_steps`."""
-        renamed({"every_n_steps": None}, "CheckpointConfig")
+        _warn_once("every_n_steps", "CheckpointConfig", stacklevel=3)
         return self.every_n_train_steps
 
     @property
     def every_seconds(self) -> float | None:
         """Deprecated: :attr:`train_time_interval`."""
-        renamed({"every_seconds": None}, "CheckpointConfig")
+        _warn_once("every_seconds", "CheckpointConfig", stacklevel=3)
         return self.train_time_interval
 
     @property

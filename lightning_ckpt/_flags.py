@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping
 
-from ckpt_engine.config import DEFAULT_KEEP_LAST, RENAMED, CheckpointConfig, ConfigError, resolve_config
+from ckpt_engine.config import DEFAULT_KEEP_LAST, RENAMED, CheckpointConfig, ConfigError, renamed, resolve_config
 
 
 def build_config(flags: Mapping[str, Any], old: Mapping[str, Any], config: Any = None) -> CheckpointConfig:
@@ -20,12 +20,7 @@ def build_config(flags: Mapping[str, Any], old: Mapping[str, Any], config: Any =
     values = dict(flags)
     if config is not None and values.get("keep_last") == DEFAULT_KEEP_LAST:
         values.pop("keep_last")
-    for name, value in given_old.items():
-        if values.get(RENAMED[name]) is not None:
-            raise ValueError(f"give {RENAMED[name]!r} or its old name {name!r}, not both "
-                             f"({values[RENAMED[name]]!r} and {value!r})")
-        values[name] = value
-        values.pop(RENAMED[name], None)
+    values = renamed({**values, **given_old}, "AsyncShardedCheckpoint")
     try:
         return resolve_config(config, values)
     except ConfigError as error:

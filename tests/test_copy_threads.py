@@ -342,13 +342,13 @@ def test_the_copy_takes_a_helper_exactly_when_the_rank_has_a_spare_core(monkeypa
     from ckpt_engine import comm
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_ranks))
-    assert comm.copy_threads_for(8, cores) == threads
+    assert comm.cores_per_rank(8, cores) == threads
     monkeypatch.setattr(comm, "cores_available", lambda: cores)
-    assert comm.copy_threads_for(8) == threads
+    assert comm.cores_per_rank(8) == threads
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert comm.copy_threads_for(local_ranks) == threads  # without torchrun's variable: the world size
+    assert comm.cores_per_rank(local_ranks) == threads  # without torchrun's variable: the world size
     with Checkpointer("memory://spare-core", comm=LocalComm()) as ck:
-        assert ck.copy_threads == comm.copy_threads_for(1)
+        assert ck.copy_threads == comm.cores_per_rank(1)
 
 
 def test_the_cores_available_are_this_process_affinity(monkeypatch):
@@ -356,7 +356,7 @@ def test_the_cores_available_are_this_process_affinity(monkeypatch):
     core: on Linux the affinity is a thread's, and ``sched_getaffinity(0)`` reads the calling one's)."""
     import os
 
-    from ckpt_engine.comm import cores_available, copy_threads_for
+    from ckpt_engine.comm import cores_available, cores_per_rank
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert cores_available() == len(os.sched_getaffinity(0))
@@ -364,7 +364,7 @@ def test_the_cores_available_are_this_process_affinity(monkeypatch):
 
     def bound() -> None:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-        seen.append((cores_available(), copy_threads_for(1)))
+        seen.append((cores_available(), cores_per_rank(1)))
 
     t = threading.Thread(target=bound)
     t.start()

@@ -8,7 +8,7 @@ persist writes them unchanged.
 
 While training waits for a CPU copy, the copy may use the cores the rank has: ``copy_threads``
 threads (the checkpointer's default: the cores this process may run on divided among the ranks
-sharing them, as for reads: a rank with a spare core copies with a helper, ``comm.copy_threads_for``), taking about 4 MiB of
+sharing them, as for reads: a rank with a spare core copies with a helper, ``comm.cores_per_rank``), taking about 4 MiB of
 the bytes at a time in turn (whole pieces when each is checksummed as it is copied, else a call
 crossing a chunk's end is cut). One thread copies at
 most about 20 GB/s on a server core and about 6 here, so a second one pays off on any copy of more
