@@ -1,16 +1,16 @@
-"""The one Lightning job: a fit under one checkpointing contender, and its figures.
+"""The one Lightning job: a fit under one checkpointing contender, and its figures; the rounds of fits.
 
-Used by ``bench_lightning`` and ``bench_overhead`` (CPU, each fit a fresh process: :func:`run_fit`) and
-by ``bench_gpu_lightning`` (one GPU, the fits in its own process: :func:`fit`). Models: Lightning's demo
+Used by ``bench_lightning`` and ``bench_overhead`` (CPU, each fit a fresh process) and by
+``bench_gpu_lightning`` (one GPU, the fits in its own process), through :func:`run_fit` and :func:`rounds`;
+``_fit_figures`` reads the fits. Models: Lightning's demo
 Transformer (``LightningTransformer``, 14.6 M parameters, with Adam: ~176 MB of state) on synthetic tokens
 cut as the demo's ``WikiText2`` cuts its text; an MLP ``512 -> 2048 -> 2048 -> 10`` with Adam (~63 MB);
 ``transformers``' GPT-2 (``GPT2LMHeadModel(GPT2Config())``, 124 M parameters, AdamW) on random tokens,
-or a 2-layer one (``gpt2-tiny``). Contenders: :data:`CONTENDERS` (the memory ones on a disk paced by
-``_slow_storage``) and :data:`GPU_CONTENDERS`.
+or a 2-layer one (``gpt2-tiny``). Contenders: :data:`CONTENDER` (a slow disk is paced by ``_slow_storage``).
 
 A fit's figures: CPU by ``getrusage`` (imports included), ``fit`` CPU and wall, CPU by thread, per
 checkpoint the training thread's CPU, at every step's end the wall time, main-thread and process CPU
-(``marks``, from which :func:`local_costs` and :func:`drift_corrected` take their figures), and the
+(``marks``), and the
 device-synchronized start of step :data:`FIRST_TIMED` and end of training.
 """
 
@@ -20,11 +20,9 @@ import argparse
 import importlib
 import importlib.util
 import json
-import math
 import os
 import resource
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,31 +34,50 @@ from typing import Any, Optional
 
 VOCAB = 33278
 """The demo's default vocabulary (WikiText-2's)."""
-DEFAULT_CONTENDERS = ("none", "mc_sync", "mc_async", "ours", "ours_pipe")
+SHM_ROOT = "/dev/shm/ckpt-suite-bench"
+"""The memory level's default root: one directory per fit below it, removed after the fit."""
+FIRST_TIMED = 5
+"""The device-synchronized timing (``timed_start_s``) starts at this step: CUDA and the allocator warm."""
+PYCACHE = os.path.join(tempfile.gettempdir(), "ckpt-suite-bench-pycache")
+"""The fits' bytecode cache, outside the repository: ours is not charged for compiling ``ckpt_engine``."""
+PL = "pytorch_lightning" if importlib.util.find_spec("pytorch_lightning") else "lightning.pytorch"
+"""The trainer package the fits use: the standalone distribution where installed, else the unified one."""
+
+
+@dataclass(frozen=True)
+class Contender:
+    """How a fit checkpoints: ``label`` (``{disk}`` and ``{every}`` filled from the job), ours or not, with the
+    node-memory level in front of the disk, the disk paced to ``FitJob.disk_mb_s``, ``pipeline=True``, or at
+    every step whatever ``FitJob.every`` says."""
+
+    label: str
+    ours: bool = False
+    memory: bool = False
+    slow: bool = False
+    pipeline: bool = False
+    every_step: bool = False
+
+
+CONTENDER = {
+    "none": Contender("no checkpointing"), "mc_sync": Contender("ModelCheckpoint (sync torch.save)"),
+    "mc_async": Contender("ModelCheckpoint + AsyncCheckpointIO"), "ours": Contender("ours, pipeline=False", True),
+    "ours_pipe": Contender("ours, pipeline=True", True, pipeline=True),
+    "ours_memory": Contender("ours, memory + disk, every {every}", True, memory=True),
+    "ours_disk50": Contender("ours, {disk} only, every {every}", True, slow=True),
+    "ours_mem": Contender("ours, memory + {disk}, every {every}", True, memory=True, slow=True),
+    "ours_mem_every1": Contender("ours, memory + {disk}, every step", True, memory=True, slow=True, every_step=True),
+    "copy_hash_every1": Contender("copy + xxh3 only, every step (floor)", every_step=True),
+    "disk": Contender("disk", True), "memory": Contender("memory", True, memory=True),
+    "memory_pipeline": Contender("memory_pipeline", True, memory=True, pipeline=True)}
+"""Every contender by name: ``bench_lightning``'s, ``bench_overhead``'s (``ours`` with a budget) and
+:data:`GPU_CONTENDERS`."""
+DEFAULT_CONTENDERS = ("none", "mc_sync", "mc_async", "ours", "ours_pipe", "ours_memory")
 MEMORY_CONTENDERS = ("ours_disk50", "ours_mem", "ours_mem_every1", "copy_hash_every1")
 CONTENDERS = DEFAULT_CONTENDERS + MEMORY_CONTENDERS
 GPU_CONTENDERS = ("none", "disk", "memory", "memory_pipeline")
 """``bench_gpu_lightning``'s: ours on the local disk, or through the memory level in front of it."""
 PEERS = ("mc_sync", "mc_async")
-OURS = ("ours", "ours_pipe")
-SLOW_DISK = ("ours_disk50", "ours_mem", "ours_mem_every1")
-MEMORY_LEVEL = ("ours_mem", "ours_mem_every1", "memory", "memory_pipeline")
-PIPELINE = ("ours_pipe", "memory_pipeline")
-EVERY_STEP = ("ours_mem_every1", "copy_hash_every1")
-"""The contenders that checkpoint (or copy and hash) at every step, whatever ``every`` says."""
-SHM_ROOT = "/dev/shm/ckpt-suite-bench"
-"""The memory level's default root: one directory per fit below it, removed after the fit."""
-FIRST_TIMED = 5
-"""The device-synchronized timing (``timed_start_s``) starts at this step: CUDA and the allocator warm."""
-TARGET_VS_PEER = 1 / 3
-"""Target: our overhead at most a third of the best peer's at the same interval."""
-LABELS = {"none": "no checkpointing", "mc_sync": "ModelCheckpoint (sync torch.save)",
-          "mc_async": "ModelCheckpoint + AsyncCheckpointIO", "ours": "ours, pipeline=False",
-          "ours_pipe": "ours, pipeline=True"}
-PYCACHE = os.path.join(tempfile.gettempdir(), "ckpt-suite-bench-pycache")
-"""The fits' bytecode cache, outside the repository: ours is not charged for compiling ``ckpt_engine``."""
-PL = "pytorch_lightning" if importlib.util.find_spec("pytorch_lightning") else "lightning.pytorch"
-"""The trainer package the fits use: the standalone distribution where installed, else the unified one."""
+OURS = ("ours", "ours_pipe", "ours_memory")
 
 
 @dataclass(frozen=True)
@@ -83,17 +100,13 @@ class FitJob:
 
 
 def every_of(job: FitJob, contender: str) -> int:
-    """Steps between checkpoints of ``contender``: 1 for :data:`EVERY_STEP`, else ``job.every``."""
-    return 1 if contender in EVERY_STEP else job.every
+    """Steps between checkpoints of ``contender``: 1 for those at every step, else ``job.every``."""
+    return 1 if CONTENDER[contender].every_step else job.every
 
 
 def label(c: str, job: FitJob) -> str:
     """How the tables name contender ``c``."""
-    disk = f"{job.disk_mb_s:g} MB/s disk"
-    return LABELS.get(c) or {
-        "ours_disk50": f"ours, {disk} only, every {job.every}", "ours_mem": f"ours, memory + {disk}, every {job.every}",
-        "ours_mem_every1": f"ours, memory + {disk}, every step",
-        "copy_hash_every1": "copy + xxh3 only, every step (floor)"}.get(c) or c
+    return CONTENDER[c].label.format(disk=f"{job.disk_mb_s:g} MB/s disk", every=job.every) if c in CONTENDER else c
 
 
 @dataclass
@@ -105,7 +118,9 @@ class FitResult:
     ``end_*``: from the start of ``fit`` to the first ``on_train_end`` (before ours' final wait);
     ``shm_left``: what the fit left in its memory directory; ``copy_hash``: the floor's (wall, CPU);
     ``timed_start_s``: the start of step :data:`FIRST_TIMED`, ``drain_s``: ours' ``on_train_end``;
-    ``records``: ours' (step, stall ms, bytes) per save; ``buffers``: its snapshot buffers' kinds."""
+    ``records``: ours' (step, stall ms, bytes) per save; ``buffers``: its snapshot buffers' kinds;
+    ``name``: the benchmark's name of the configuration (``contender`` when empty); ``foreign_cores``:
+    what other processes used meanwhile."""
 
     contender: str
     rep: int
@@ -133,7 +148,10 @@ class FitResult:
     buffers: list[str] = field(default_factory=list)
     allocations: int = 0
     name: str = ""
-    """The benchmark's name of the configuration (``contender`` when empty)."""
+    foreign_cores: float = float("nan")
+
+    def __post_init__(self) -> None:
+        self.name = self.name or self.contender
 
     @classmethod
     def of(cls, saved: dict[str, Any]) -> "FitResult":
@@ -146,83 +164,94 @@ class FitResult:
         return self.marks[-1][0] - self.marks[0][0] if self.marks else float("nan")
 
     @property
+    def background_cpu_s(self) -> float:
+        """CPU seconds of the Python threads other than the main one (the checkpoint writers)."""
+        return sum(self.threads_cpu_s.values())
+
+    @property
+    def own_cpu_s(self) -> float:
+        """CPU seconds of the checkpoint work on the threads that ran it, within the fit: the training thread's
+        part of each checkpoint and every Python thread but the main one (blind to indirect costs)."""
+        return sum(x for x in self.train_cpu_ms if x == x) / 1e3 + self.background_cpu_s
+
+    @property
     def other_cpu_s(self) -> float:
         """Process CPU that is neither the main thread's nor a Python thread's (native threads)."""
-        return self.process_cpu_s - self.main_cpu_s - sum(self.threads_cpu_s.values())
+        return self.process_cpu_s - self.main_cpu_s - self.background_cpu_s
 
     def as_json(self) -> dict[str, Any]:
         """The fit as a JSON object."""
         return asdict(self)
 
 
-def _job_args(job: FitJob, contender: str, workdir: str, **kw: Any) -> dict[str, Any]:
-    """The child's arguments of one fit (``kw``: ``budget``, ``slow_at_step``, ``slow_mb_s``, ``mem_job``)."""
-    if contender not in CONTENDERS + GPU_CONTENDERS:
-        raise ValueError(f"contender must be one of {CONTENDERS + GPU_CONTENDERS}, got {contender!r}")
+def run_fit(job: FitJob, contender: str, workdir: str, rep: int = 0, name: str = "", here: bool = False,
+            **kw: Any) -> FitResult:
+    """One fit of ``job`` under ``contender`` in ``workdir`` (removed after), in a fresh process or, ``here``,
+    in this one (a GPU bench's fits share one CUDA context). ``kw``: ``budget`` (ours with
+    ``overhead_budget``), ``slow_at_step`` (ours' disk paced to ``slow_mb_s`` from that step on), ``mem_job``."""
+    if contender not in CONTENDER:
+        raise ValueError(f"contender must be one of {list(CONTENDER)}, got {contender!r}")
     shutil.rmtree(workdir, ignore_errors=True)
     os.makedirs(workdir)
-    return {**asdict(job), "every": every_of(job, contender), "budget": 0.0, "slow_at_step": 0, "slow_mb_s": 0.0,
-            "mem_job": f"fit-{os.getpid()}-{contender}-{uuid.uuid4().hex[:8]}", **kw, "contender": contender,
-            "dir": workdir, "out": os.path.join(workdir, "result.json")}
-
-
-def run_fit(job: FitJob, contender: str, workdir: str, rep: int = 0, name: str = "", **kw: Any) -> FitResult:
-    """One fit of ``job`` under ``contender`` in a fresh process and ``workdir`` (removed after). ``budget``:
-    ours with ``overhead_budget``; ``slow_at_step``: ours' disk paced to ``slow_mb_s`` from that step on."""
-    a = _job_args(job, contender, workdir, **kw)
-    args = [sys.executable, os.path.abspath(__file__), *(x for k, v in a.items() for x in (f"--{k.replace('_', '-')}",
-                                                                                            str(v)))]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"} | {"PYTHONPYCACHEPREFIX": PYCACHE}
+    a = {**asdict(job), "every": every_of(job, contender), "budget": 0.0, "slow_at_step": 0, "slow_mb_s": 0.0,
+         "mem_job": f"fit-{os.getpid()}-{contender}-{uuid.uuid4().hex[:8]}", **kw, "contender": contender,
+         "dir": workdir, "out": os.path.join(workdir, "result.json")}
     try:
-        done = subprocess.run(args, cwd=workdir, capture_output=True, text=True, env=env)
+        if here:
+            res = _fit(argparse.Namespace(**a))
+        else:
+            args = [sys.executable, os.path.abspath(__file__), json.dumps(a)]
+            env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+            env["PYTHONPYCACHEPREFIX"] = PYCACHE
+            done = subprocess.run(args, cwd=workdir, capture_output=True, text=True, env=env)
+            if done.returncode != 0 or not os.path.exists(a["out"]):
+                raise RuntimeError(f"the {contender} fit failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+            with open(a["out"]) as f:
+                res = json.load(f)
     finally:  # a fit that died leaves its memory behind: never let it pile up in /dev/shm
         remove_memory(job.shm, a["mem_job"])
-    if done.returncode != 0 or not os.path.exists(a["out"]):
-        raise RuntimeError(f"the {contender} fit failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-    with open(a["out"]) as f:
-        res = json.load(f)
-    shutil.rmtree(workdir, ignore_errors=True)
-    return FitResult(contender=contender, rep=rep, name=name or contender, **res)
-
-
-def fit(job: FitJob, contender: str, workdir: str, rep: int = 0, **kw: Any) -> FitResult:
-    """:func:`run_fit` in this process (a GPU bench's: its fits share one CUDA context)."""
-    a = argparse.Namespace(**_job_args(job, contender, workdir, **kw))
-    try:
-        res = _fit(a)
-    finally:
-        remove_memory(job.shm, a.mem_job)
         shutil.rmtree(workdir, ignore_errors=True)
-    return FitResult(contender=contender, rep=rep, name=contender, **res)
+    return FitResult(contender=contender, rep=rep, name=name, **res)
 
 
-def quiet_fit(job: FitJob, contender: str, workdir: str, quiet: float, retry: bool = False,
-              **kw: Any) -> tuple[FitResult, float]:
+def quiet_fit(job: FitJob, contender: str, workdir: str, quiet: float, retry: bool = False, **kw: Any) -> FitResult:
     """:func:`run_fit` after waiting (a little) for other processes to use at most ``quiet`` cores; with
     the cores they used during the fit. ``retry``: a disturbed fit runs once more, the quieter one kept."""
     from _common import CpuLoad, wait_quiet
 
-    best: tuple[FitResult, float] | None = None
+    best: FitResult | None = None
     for _ in range(2 if retry else 1):
         wait_quiet(quiet, max_wait=10.0)
         load = CpuLoad()
         r = run_fit(job, contender, workdir, **kw)
-        foreign = load.foreign_cores()
-        print(f"  {kw.get('name') or contender:14s} round {kw.get('rep', 0)}: process CPU {r.process_cpu_s:6.2f} s, "
-              f"fit wall {r.fit_wall_s:6.2f} s, loop {r.loop_s:6.2f} s, {r.n_ckpt} checkpoints, foreign load "
-              f"{foreign:.2f} cores" + (f", LEFT IN /dev/shm: {len(r.shm_left)}" if r.shm_left else ""), flush=True)
-        if best is None or foreign < best[1]:
-            best = (r, foreign)
-        if best[1] <= quiet:
+        r.foreign_cores = load.foreign_cores()
+        print(f"  {r.name:14s} round {r.rep}: process CPU {r.process_cpu_s:6.2f} s, fit wall {r.fit_wall_s:6.2f} s, "
+              f"loop {r.loop_s:6.2f} s, {r.n_ckpt} checkpoints, foreign load {r.foreign_cores:.2f} cores"
+              + (f", LEFT IN /dev/shm: {len(r.shm_left)}" if r.shm_left else ""), flush=True)
+        best = r if best is None or r.foreign_cores < best.foreign_cores else best
+        if best.foreign_cores <= quiet:
             break
     assert best is not None
     return best
 
 
-def warm_up(job: FitJob, workdir: str, memory: bool = False) -> None:
-    """Unmeasured short fits that import (and compile into :data:`PYCACHE`) what the contenders import."""
-    for contender in ("mc_async", "ours") + (("ours_mem",) if memory else ()):
+def rounds(job: FitJob, names: list[str], n: int, workdir: str, quiet: float = 0.3, retry: bool = False,
+           configs: dict[str, dict[str, Any]] | None = None) -> list[FitResult]:
+    """``n`` rounds of one fit per configuration in ``names``, the order rotating by round so that no
+    configuration always runs first or after the same one, after unmeasured warm-up fits; ``configs``: per name,
+    the contender and the arguments of :func:`run_fit` (default: the name is the contender)."""
+    configs = configs or {}
+    memory = any(CONTENDER[configs.get(c, {}).get("contender", c)].memory for c in names)
+    for contender in ("mc_async", "ours") + (("ours_mem",) if memory else ()):  # imports, compiled into PYCACHE
         run_fit(FitJob(**{**asdict(job), "steps": 2 * job.every}), contender, workdir)
+    fits = []
+    for rnd in range(n):
+        k = (rnd + 1) % len(names)
+        for c in names[k:] + names[:k]:
+            kw = {"contender": c, **configs.get(c, {})}
+            fits.append(quiet_fit(kw.pop("job", job), kw.pop("contender"), workdir, quiet, retry, rep=rnd, name=c,
+                                  **kw))
+    return fits
 
 
 def remove_memory(root: str, mem_job: str) -> list[str]:
@@ -237,64 +266,6 @@ def remove_memory(root: str, mem_job: str) -> list[str]:
     except OSError:
         pass
     return left
-
-
-# ---- figures of a fit's step marks -------------------------------------------------------------------
-def median(values: list[float]) -> float:
-    """The median of the values that are not NaN (NaN if none)."""
-    vals = [v for v in values if v == v]
-    return statistics.median(vals) if vals else math.nan
-
-
-def mean(values: list[float]) -> float:
-    """The mean of the values that are not NaN (NaN if none)."""
-    vals = [v for v in values if v == v]
-    return statistics.fmean(vals) if vals else math.nan
-
-
-MARK = {"wall": 0, "main_cpu": 1, "cpu": 2}
-"""The figures of a step mark (``FitResult.marks``)."""
-
-
-def step_deltas(r: FitResult, i: int = 0) -> dict[int, float]:
-    """Per step j ≥ 2, mark ``i`` of step j minus that of step j - 1 (step j holds the checkpoint work
-    done at the end of step j - 1)."""
-    m = r.marks
-    return {j: m[j - 1][i] - m[j - 2][i] for j in range(2, len(m) + 1)}
-
-
-def clean_step(r: FitResult, i: int = 0, tail: float = 0.7) -> float:
-    """The fit's clean step: the median over the steps late in an interval between checkpoints (phase >
-    ``tail``); every step after the fifth for a fit without checkpoints."""
-    dx, saves, late = step_deltas(r, i), sorted(r.save_steps), []
-    for a, b in zip(saves, saves[1:]):
-        late += [dx[j] for j in range(a + 1, b + 1) if j in dx and (j - a) / (b - a) > tail]
-    return median(late if r.n_ckpt and late else [dx[j] for j in sorted(dx)[4:]])
-
-
-def drift_corrected(r: FitResult, base: FitResult, i: int = 0, total: str = "end_wall_s") -> float:
-    """Overhead with each fit in its own clean steps: ``total`` ÷ (steps × clean step), minus the same of
-    the no-checkpointing fit of its round (not fooled by whole fits running faster or slower)."""
-    def steps(f: FitResult) -> int:  # the loop (``loop_s``) starts at the first step's end
-        return len(f.marks) - (total == "loop_s")
-
-    own = getattr(r, total) / (steps(r) * clean_step(r, i))
-    return own - getattr(base, total) / (steps(base) * clean_step(base, i))
-
-
-def local_costs(r: FitResult, window: int, i: int = 0, tail: float = 0.7) -> list[float]:
-    """Seconds each in-loop checkpoint cost in mark ``i``: the excess of the ``window`` steps after it (cut
-    at the next checkpoint) over the median of the late steps of the interval before it; a checkpoint
-    without either is left out. For ``none``: the same windows at the same steps (a control: ~0)."""
-    dx, saves, out = step_deltas(r, i), sorted(r.save_steps), []
-    for k, s in enumerate(saves):
-        prev = saves[k - 1] if k else s - window
-        stop = min(s + window, saves[k + 1] if k + 1 < len(saves) else s + window)
-        before = [dx[j] for j in range(max(2, prev + 1), s + 1) if j in dx and (j - prev) / (s - prev) > tail]
-        if before and stop in dx:
-            base = statistics.median(before)
-            out.append(sum(dx[j] - base for j in range(s + 1, stop + 1)))
-    return out
 
 
 # ---- the fit ------------------------------------------------------------------------------------------
@@ -379,47 +350,37 @@ def _model(a: argparse.Namespace) -> Any:
         def train_dataloader(self) -> DataLoader:
             return DataLoader(SyntheticTokens(a.steps + 1, a.block, a.seed))
 
-    class MLP(pl.LightningModule):
-        def __init__(self) -> None:
+    class Module(pl.LightningModule):
+        """A model, the loss of a batch, AdamW or Adam (lr 1e-4), and its data shuffled into batches."""
+
+        def __init__(self, net: Any, loss: Any, data: Any, batch: int, adamw: bool = False) -> None:
             super().__init__()
-            self.net = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048),
-                                           torch.nn.ReLU(), torch.nn.Linear(2048, 10))
+            self.net, self.loss, self.data, self.batch, self.adamw = net, loss, data, batch, adamw
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+            return self.loss(self.net, batch)
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.Adam(self.parameters(), lr=1e-4)
+            return (torch.optim.AdamW if self.adamw else torch.optim.Adam)(self.parameters(), lr=1e-4)
 
         def train_dataloader(self) -> DataLoader:
-            g = torch.Generator().manual_seed(a.seed)
-            x, y = torch.randn(6400, 512, generator=g), torch.randint(0, 10, (6400,), generator=g)
-            return DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True, drop_last=True)
+            return DataLoader(self.data, batch_size=self.batch, shuffle=True, drop_last=True)
 
-    class GPT2(pl.LightningModule):
-        def __init__(self) -> None:
-            from transformers import GPT2Config, GPT2LMHeadModel
+    if a.model == "transformer":
+        return DemoTransformer(vocab_size=VOCAB)
+    g = torch.Generator().manual_seed(a.seed if a.model == "mlp" else 1)
+    if a.model == "mlp":  # 512 -> 2048 -> 2048 -> 10 with Adam, 6400 samples in batches of 64
+        net = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048),
+                                  torch.nn.ReLU(), torch.nn.Linear(2048, 10))
+        data = TensorDataset(torch.randn(6400, 512, generator=g), torch.randint(0, 10, (6400,), generator=g))
+        return Module(net, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]), data, 64)
+    from transformers import GPT2Config, GPT2LMHeadModel
 
-            super().__init__()
-            tiny = a.model == "gpt2-tiny"
-            self.config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=64) if tiny \
-                else GPT2Config()
-            self.batch, self.seq = (4, 64) if tiny else (16, 1024)
-            self.model = GPT2LMHeadModel(self.config)
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            (tokens,) = batch
-            return self.model(input_ids=tokens, labels=tokens).loss
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
-        def train_dataloader(self) -> DataLoader:
-            g = torch.Generator().manual_seed(1)
-            tokens = torch.randint(0, self.config.vocab_size, (a.steps * self.batch, self.seq), generator=g)
-            return DataLoader(TensorDataset(tokens), batch_size=self.batch, shuffle=True)
-
-    return {"transformer": lambda: DemoTransformer(vocab_size=VOCAB), "mlp": MLP}.get(a.model, GPT2)()
+    tiny = a.model == "gpt2-tiny"
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=64) if tiny else GPT2Config()
+    batch, seq = (4, 64) if tiny else (16, 1024)
+    data = TensorDataset(torch.randint(0, config.vocab_size, (a.steps * batch, seq), generator=g))
+    return Module(GPT2LMHeadModel(config), lambda m, b: m(input_ids=b[0], labels=b[0]).loss, data, batch, True)
 
 
 def _fit(a: argparse.Namespace) -> dict[str, Any]:
@@ -489,6 +450,7 @@ def _fit(a: argparse.Namespace) -> dict[str, Any]:
     ours: Any = None
     copy_hash: Any = None
     import_cpu, saves, save_steps = 0.0, [], []
+    c = CONTENDER[a.contender]
     if a.contender.startswith("mc"):
         class TimedModelCheckpoint(pl.callbacks.ModelCheckpoint):
             def _save_checkpoint(self, trainer: Any, filepath: str) -> None:
@@ -501,9 +463,9 @@ def _fit(a: argparse.Namespace) -> dict[str, Any]:
                                               mode="max", save_top_k=a.keep))
         if a.contender == "mc_async":
             plugins.append(importlib.import_module(f"{PL}.plugins.io").AsyncCheckpointIO())
-    elif a.contender not in ("none", "copy_hash_every1"):
-        import_cpu, ours = _ours(a, ckdir, callbacks)
-    elif a.contender == "copy_hash_every1":
+    elif c.ours:
+        import_cpu, ours = _ours(a, c, ckdir, callbacks)
+    elif c.every_step:
         copy_hash = CopyHash()
         callbacks.append(copy_hash)
     pl.seed_everything(a.seed, verbose=False)
@@ -544,7 +506,7 @@ def _fit(a: argparse.Namespace) -> dict[str, Any]:
             "allocations": ck._pool.allocations if ck is not None else 0}
 
 
-def _ours(a: argparse.Namespace, ckdir: str, callbacks: list[Any]) -> tuple[float, Any]:
+def _ours(a: argparse.Namespace, c: Contender, ckdir: str, callbacks: list[Any]) -> tuple[float, Any]:
     """The CPU seconds of importing ours, and our callback as ``a.contender`` configures it, appended to
     ``callbacks`` (a pacer before it)."""
     cpu = _rusage_cpu()
@@ -582,7 +544,7 @@ def _ours(a: argparse.Namespace, ckdir: str, callbacks: list[Any]) -> tuple[floa
             super()._log_figures(row)
 
     disk: Any = ckdir
-    if a.contender in SLOW_DISK or a.slow_at_step:
+    if c.slow or a.slow_at_step:
         from _slow_storage import SLOW, SlowStorage, throttle
 
         if a.slow_at_step:  # the disk slows down from that step on
@@ -592,23 +554,17 @@ def _ours(a: argparse.Namespace, ckdir: str, callbacks: list[Any]) -> tuple[floa
         else:
             throttle(a.disk_mb_s)
         disk = SlowStorage(ckdir)
-    where = {"levels": [{"kind": "memory", "path": a.shm, "job": a.mem_job}, disk]} if a.contender in MEMORY_LEVEL \
+    where = {"levels": [{"kind": "memory", "path": a.shm, "job": a.mem_job}, disk]} if c.memory \
         else {"dirpath": disk}
     schedule = {"overhead_budget": a.budget} if a.budget else {"every_n_train_steps": a.every}
-    ours = Recorded(**where, **schedule, keep_last=a.keep, pipeline=a.contender in PIPELINE)
+    ours = Recorded(**where, **schedule, keep_last=a.keep, pipeline=c.pipeline)
     callbacks.append(ours)
     return import_cpu, ours
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    p = argparse.ArgumentParser(description="One Lightning fit under one contender (a benchmark's child).")
-    p.add_argument("--contender", choices=CONTENDERS + GPU_CONTENDERS, required=True)
-    for name, kind in (("out", str), ("dir", str), ("mem-job", str), ("model", str), ("device", str),
-                       ("precision", str), ("shm", str), ("steps", int), ("every", int), ("block", int),
-                       ("threads", int), ("keep", int), ("seed", int), ("slow-at-step", int), ("disk-mb-s", float),
-                       ("budget", float), ("slow-mb-s", float)):
-        p.add_argument(f"--{name}", type=kind, required=True)
-    a = p.parse_args(argv)
+    """A benchmark's child: one fit, its arguments (those of :func:`run_fit`) one JSON object in ``argv``."""
+    a = argparse.Namespace(**json.loads((argv or sys.argv[1:])[0]))
     _count_thread_cpu()
     result = _fit(a)
     with open(a.out, "w") as f:

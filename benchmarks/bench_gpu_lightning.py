@@ -27,8 +27,9 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
-from _common import git_commit, parser, table, write_report  # noqa: E402
-from _lightning_job import FIRST_TIMED, GPU_CONTENDERS as CONTENDERS, PL, FitJob, FitResult, fit  # noqa: E402
+from _common import parser, table, write_report  # noqa: E402
+from _fit_figures import run_line  # noqa: E402
+from _lightning_job import FIRST_TIMED, GPU_CONTENDERS as CONTENDERS, FitJob, FitResult, run_fit  # noqa: E402
 
 
 def row_of(r: FitResult, tag: str) -> dict[str, Any]:
@@ -51,10 +52,10 @@ def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     """The figures as Markdown: per contender the median of its fits, against the fastest baseline."""
     base = min((r["train_s"] for r in rows if r["contender"] == "none"), default=float("nan"))
     base_fit = min((r["fit_s"] for r in rows if r["contender"] == "none"), default=float("nan"))
-    lines = [f"Run {meta['date'][:10]}, device {meta['device']}, torch {meta['torch']}, lightning "
-             f"{meta['lightning']}, transformers {meta['transformers']}, {meta['cpus']} cores, commit {meta['commit']}; "
-             f"{meta['steps']} steps, a checkpoint every {meta['every']}, timed from step {FIRST_TIMED}; "
-             f"memory level in {meta['shm']}, disk level in {meta['disk']}.", ""]
+    head = meta.get("run") or (f"Run {meta['date'][:10]}, device {meta['device']}, torch {meta['torch']}, lightning "
+                               f"{meta['lightning']}, {meta['cpus']} cores, commit {meta['commit']}")
+    lines = [f"{head}; transformers {meta['transformers']}; {meta['steps']} steps, a checkpoint every {meta['every']}, "
+             f"timed from step {FIRST_TIMED}; memory level in {meta['shm']}, disk level in {meta['disk']}.", ""]
     cells = []
     for name in CONTENDERS:
         mine = [r for r in rows if r["contender"] == name]
@@ -92,23 +93,18 @@ def rendered(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 
 def _meta(a: argparse.Namespace) -> dict[str, Any]:
-    import importlib
-
+    """The run's facts: :func:`_fit_figures.run_line`, the versions, the levels' places and free space."""
     import transformers
 
-    def df(path: str) -> str:
-        try:
-            st = os.statvfs(path)
-            return f"{st.f_bavail * st.f_frsize / 2**30:.0f} GiB free"
-        except OSError as e:
-            return str(e)
+    def where(path: str) -> str:
+        st = os.statvfs(path) if os.path.exists(path) else None
+        return f"{path} ({st.f_bavail * st.f_frsize / 2**30:.0f} GiB free)" if st else path
 
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
-            "torch": torch.__version__, "lightning": importlib.import_module(PL.split(".")[0]).__version__, "transformers": transformers.__version__,
-            "cpus": os.cpu_count(), "commit": git_commit() or "unknown", "steps": a.steps, "every": a.every,
-            "shm": f"{os.path.dirname(a.shm.rstrip('/')) or '/'} ({df(os.path.dirname(a.shm.rstrip('/')) or '/')})",
-            "disk": f"{a.work} ({df(a.work)})", "argv": sys.argv[1:]}
+            "run": run_line(f"`bench_gpu_lightning.py {' '.join(sys.argv[1:])}`"), "torch": torch.__version__,
+            "transformers": transformers.__version__, "cpus": os.cpu_count(), "steps": a.steps, "every": a.every,
+            "shm": where(os.path.dirname(a.shm.rstrip("/")) or "/"), "disk": where(a.work), "argv": sys.argv[1:]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -142,8 +138,8 @@ def main(argv: list[str] | None = None) -> None:
         order = names if r % 2 == 0 else names[::-1]
         for name in order:
             try:
-                row = row_of(fit(job, name, os.path.join(a.work, f"disk-{name}-{r}"), mem_job=f"bench-{name}-{r}"),
-                             f"{name}-{r}")
+                row = row_of(run_fit(job, name, os.path.join(a.work, f"disk-{name}-{r}"), here=True,
+                                     mem_job=f"bench-{name}-{r}"), f"{name}-{r}")
             except Exception as e:  # reported in the table's notes; the other contenders still run
                 traceback.print_exc()
                 errors.append(f"{name}, round {r}: {type(e).__name__}: {e}")
@@ -156,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(row), flush=True)
     meta["total_s"], meta["errors"] = time.perf_counter() - t0, errors
     write_report(a.out, "bench_gpu_lightning", rendered(rows, meta), {"meta": meta, "rows": rows})
+
 
 if __name__ == "__main__":
     main()

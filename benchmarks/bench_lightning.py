@@ -1,14 +1,15 @@
 """Training overhead of checkpointing in a real Lightning job: ours against Lightning's own, CPU.
 
 What it measures, against which peers and targets: ``benchmarks/README.md``, section bench_lightning.
-Each fit runs in a fresh process (``_lightning_job``); the contenders alternate within a round, each
-figure is a contender's minimum over the rounds, overheads against the minimum of no checkpointing.
+Each fit runs in a fresh process (``_lightning_job``), in rounds that alternate the contenders; every
+overhead is paired with the no-checkpointing fit of its round (median, mean ± standard error over the
+rounds, and whether it is inside the noise: ``_fit_figures``), the minima of the rounds beside.
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_lightning.py --model transformer --tf-threads 1   # ~8 min
+    .venv/bin/python benchmarks/bench_lightning.py --model transformer --tf-threads 1 --tf-rounds 8   # ~20 min
     .venv/bin/python benchmarks/bench_lightning.py --model transformer --tf-threads 1 \
-        --tf-contenders none,ours_disk50,ours_mem,ours_mem_every1,copy_hash_every1   # memory level
+        --tf-contenders none,ours_disk50,ours_mem,ours_mem_every1,copy_hash_every1   # memory level, slow disk
     .venv/bin/python benchmarks/bench_lightning.py --quick    # smoke run: 30 steps, one round
     .venv/bin/python benchmarks/bench_lightning.py --tf-from benchmarks/out/bench_lightning_transformer.json
 """
@@ -20,15 +21,17 @@ import math
 import os
 import sys
 import tempfile
-from dataclasses import asdict, fields
+from dataclasses import fields
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import fmt, parser, pct, table, verdict, write_report  # noqa: E402
-from _lightning_job import (CONTENDERS, DEFAULT_CONTENDERS, EVERY_STEP, LABELS, MARK, MEMORY_CONTENDERS,  # noqa: E402
-                            MEMORY_LEVEL, OURS, PEERS, TARGET_VS_PEER, FitJob, FitResult, clean_step,
-                            drift_corrected, every_of, label, local_costs, mean, median, quiet_fit, warm_up)
+from _fit_figures import PAIRED, Paired, paired_table, run_line, summarize  # noqa: E402
+from _lightning_job import (CONTENDER, CONTENDERS, DEFAULT_CONTENDERS, MEMORY_CONTENDERS, OURS,  # noqa: E402
+                            PEERS, FitJob, FitResult, rounds)
 
+TARGET_VS_PEER = 1 / 3
+"""Target: our overhead at most a third of the best peer's at the same interval."""
 MEMORY_TARGET = 0.035
 """Target: ours with the memory level in front of a slow disk, every 10 steps, at most 3.5 % of CPU
 time and of fit wall time over no checkpointing."""
@@ -37,147 +40,51 @@ FLOOR_TARGET = 1.5
 buffer and hashing it (xxh3) alone."""
 OURS_ALL = OURS + tuple(c for c in MEMORY_CONTENDERS if c.startswith("ours"))
 """Every configuration of ours (the tables of ours' own figures)."""
-REF = ("process_cpu_s", "fit_cpu_s", "fit_wall_s", "end_wall_s")
-
-
-def measure(job: FitJob, contenders: list[str], rounds: int, workdir: str,
-            quiet: float = 0.3) -> list[tuple[FitResult, float]]:
-    """``rounds`` rounds of one fit per contender (rotating order; no checkpointing is not the first fit),
-    after unmeasured warm-up fits; each fit with the cores other processes used meanwhile."""
-    warm_up(job, workdir, memory=any(c in MEMORY_LEVEL for c in contenders))
-    out = []
-    for rnd in range(rounds):
-        k = (rnd + 1) % len(contenders)
-        out += [quiet_fit(job, c, workdir, quiet, rep=rnd) for c in contenders[k:] + contenders[:k]]
-    return out
 
 
 def resummarize(saved: dict[str, Any]) -> dict[str, Any]:
     """The section (``{"summary", "fits"}``) again from the fits a run saved, with this module's figures."""
     known = {f.name for f in fields(FitJob)}
     job = FitJob(**{k: v for k, v in saved["summary"]["job"].items() if k in known})
-    fits = [(FitResult.of(f), f["foreign_cores"]) for f in saved["fits"]]
+    fits = [FitResult.of(f) for f in saved["fits"]]
     return {"summary": summarize(job, fits, list(saved["summary"]["rows"])), "fits": saved["fits"]}
 
 
-def _background(r: FitResult) -> float:
-    """CPU seconds of the Python threads other than the main one (the checkpoint writers)."""
-    return sum(r.threads_cpu_s.values())
-
-
-def _own_cpu_s(r: FitResult) -> float:
-    """CPU seconds of the checkpoint work on the threads that ran it, within the fit: the training thread's
-    part of each checkpoint and every Python thread but the main one (blind to indirect costs)."""
-    return sum(x for x in r.train_cpu_ms if x == x) / 1e3 + _background(r)
-
-
-def _spread(values: list[float]) -> float:
-    return (max(values) - min(values)) / min(values) if len(values) > 1 else math.nan
-
-
-def summarize(job: FitJob, measured: list[tuple[FitResult, float]], contenders: list[str]) -> dict[str, Any]:
-    """Per contender, the figures of its fits (see :func:`markdown`)."""
-    base = [r for r, _ in measured if r.contender == "none"]
-    base_by_round = {r.rep: r for r in base}
-    ref = {k: min(getattr(r, k) for r in base) for k in REF}
-    rows: dict[str, Any] = {}
-    for c in contenders:
-        rs, foreign = [r for r, _ in measured if r.contender == c], [f for r, f in measured if r.contender == c]
-        best = {k: min(getattr(r, k) for r in rs) for k in ref}
-        n = median([float(r.n_ckpt) for r in rs])
-        figs = [f for r in rs for f in r.figures if f.get("kind", "save") == "save"]
-        row: dict[str, Any] = {
-            "label": label(c, job), "every": every_of(job, c), "rounds": len(rs),
-            **{f"{k}_min": v for k, v in best.items()}, **{f"{k}_overhead": best[k] / ref[k] - 1 for k in ref},
-            "per_round_cpu": [r.process_cpu_s for r in rs], "per_round_wall": [r.fit_wall_s for r in rs],
-            "n_ckpt": n, "foreign_cores_max": max(foreign) if foreign else math.nan,
-            "main_cpu_s": median([r.main_cpu_s for r in rs]), "other_cpu_s": median([r.other_cpu_s for r in rs]),
-            "threads_cpu_s": {name: median([r.threads_cpu_s.get(name, 0.0) for r in rs])
-                              for name in sorted({k for r in rs for k in r.threads_cpu_s})},
-            "train_cpu_ms": mean([x for r in rs for x in r.train_cpu_ms]),
-            "train_cpu_first_ms": mean([r.train_cpu_ms[0] for r in rs if r.train_cpu_ms]),
-            "train_cpu_steady_ms": mean([x for r in rs for x in r.train_cpu_ms[1:]]),
-            "background_cpu_per_ckpt_ms": mean([_background(r) / r.n_ckpt * 1e3 for r in rs if r.n_ckpt]),
-            "extra_cpu_per_ckpt_ms": (best["process_cpu_s"] - ref["process_cpu_s"]) / n * 1e3 if n else math.nan,
-            "import_cpu_ms": median([r.import_cpu_ms for r in rs]),
-            "clean_step_ms": median([clean_step(r) * 1e3 for r in rs]),
-            **{key: mean([f[key] for f in figs if key in f])
-               for key in ("encode_cpu_ms", "snapshot_cpu_ms", "persist_cpu_ms", "commit_cpu_ms", "stall_ms")},
-        }
-        for key, i, total in (("dc_cpu_overhead", 2, "fit_cpu_s"), ("dc_wall_overhead", 0, "fit_wall_s")):
-            # every step: no step is clear of a checkpoint, no clean step to correct by
-            row[key] = math.nan if c in EVERY_STEP else median(
-                [drift_corrected(r, base_by_round[r.rep], i, total) for r in rs if r.rep in base_by_round])
-        for name, i in MARK.items():
-            row[f"local_{name}_ms"] = mean([x * 1e3 for r in rs for x in local_costs(r, job.every, i)]
-                                           if c not in EVERY_STEP else [])
-        if c in MEMORY_CONTENDERS:
-            row.update(_memory_figures(rs, base_by_round, ref))
-        rows[c] = row
-    return {"job": {**asdict(job), "params": base[0].params, "state_mb": base[0].params * 12 / 1e6}, "rows": rows,
-            "cpu_spread": _spread([r.process_cpu_s for r in base]),
-            "wall_spread": _spread([r.fit_wall_s for r in base])}
-
-
-def _memory_figures(rs: list[FitResult], base_by_round: dict[int, FitResult], ref: dict[str, float]) -> dict[str, Any]:
-    """The node-memory section's figures of one contender (see :func:`memory_markdown`)."""
-    committed = [float(sum(1 for f in r.figures if f.get("kind", "save") == "save" and f.get("committed")))
-                 if r.figures else float(r.n_ckpt) for r in rs]
-    n = median(committed)
-    flushes = [f for r in rs for f in r.figures if f.get("kind") == "flush" and f.get("committed")]
-    steady = [cpu for r in rs for _, cpu in r.copy_hash[1:]]
-    own = [_own_cpu_s(r) for r in rs]
-    counter = {k: median([r.counters.get(k, math.nan) for r in rs]) for k in ("waited_s", "flushed", "flush_skipped")}
-    return {
-        **counter, "committed": n,
-        "own_cpu_per_ckpt_ms": median([o / k * 1e3 for o, k in zip(own, committed) if k]),
-        "own_cpu_overhead": median([(o + r.import_cpu_ms / 1e3) / (r.process_cpu_s - o - r.import_cpu_ms / 1e3)
-                                    for o, r in zip(own, rs)]),
-        "own_cpu_steady_overhead": median([(o - r.threads_cpu_s.get("ckpt-reserve", 0.0))
-                                           / (r.process_cpu_s - o - r.import_cpu_ms / 1e3) for o, r in zip(own, rs)]),
-        "reserve_cpu_ms": median([r.threads_cpu_s.get("ckpt-reserve", 0.0) * 1e3 for r in rs]),
-        "flush_lag_ms": mean([f["lag_ms"] for f in flushes]), "flush_copy_ms": mean([f["copy_ms"] for f in flushes]),
-        "final_wait_s": median([r.fit_wall_s - r.end_wall_s for r in rs]),
-        "cpu_per_ckpt_ms": (min(r.process_cpu_s for r in rs) - ref["process_cpu_s"]) / n * 1e3 if n else math.nan,
-        "cpu_per_ckpt_paired_ms": median([(r.process_cpu_s - base_by_round[r.rep].process_cpu_s) / k * 1e3
-                                          for r, k in zip(rs, committed) if r.rep in base_by_round and k]),
-        "floor_thread_cpu_steady_ms": mean([cpu * 1e3 for cpu in steady]) if steady else math.nan,
-        "shm_left_fits": sum(1 for r in rs if r.shm_left),
-        "shm_left_example": next((r.shm_left[:5] for r in rs if r.shm_left), []),
-    }
-
-
 def verdicts(s: dict[str, Any]) -> list[str]:
-    """Ours' overhead ÷ the best peer's, per figure, against :data:`TARGET_VS_PEER`."""
+    """Ours' paired overhead ÷ the best peer's, per paired figure, against :data:`TARGET_VS_PEER`; no ratio
+    where the best peer's overhead is inside the noise."""
     rows, lines = s["rows"], []
     peers = [p for p in PEERS if p in rows]
-    for key, what in (("process_cpu_s_overhead", "whole-process CPU"), ("fit_wall_s_overhead", "fit wall time"),
-                      ("dc_cpu_overhead", "drift-corrected fit CPU"), ("dc_wall_overhead", "drift-corrected fit wall"),
-                      ("local_cpu_ms", "local process CPU per checkpoint"),
-                      ("local_wall_ms", "local wall time per checkpoint")) if peers else ():
-        best = min(peers, key=lambda p: rows[p][key])
-        bo = rows[best][key]
-        shown = (lambda x: f"{x:.0f} ms") if key.startswith("local") else pct
+    for key, (what, _) in PAIRED.items() if peers else ():
+        def of(name: str) -> Paired:
+            return Paired.of(rows[name]["paired"][key])
+
+        best = min(peers, key=lambda p: of(p).mean)
         for o in (o for o in OURS if o in rows):
-            ov = rows[o][key]
-            result = ("inconclusive (best peer's overhead ≤ 0: noise)" if bo <= 0 else
-                      f"{ov / bo:.2f} × best peer → {verdict(ov / bo <= TARGET_VS_PEER)} (target ≤ 0.33)")
-            lines.append(f"- Transformer, {what}, {LABELS[o]}: {shown(ov)} vs best peer ({LABELS[best]}) "
-                         f"{shown(bo)}: {result}")
+            ratio = of(o).mean / of(best).mean
+            result = ("inconclusive: the best peer's difference is inside the noise" if of(best).noise
+                      or of(best).mean <= 0 else f"{ratio:.2f} × best peer → {verdict(ratio <= TARGET_VS_PEER)} "
+                      "(target ≤ 0.33)" + ("; ours inside the noise" if of(o).noise else ""))
+            lines.append(f"- {what}, {rows[o]['label']}: {of(o).text()} vs best peer ({rows[best]['label']}) "
+                         f"{of(best).text()}: {result}")
     return lines
 
 
-def markdown(s: dict[str, Any]) -> list[str]:
-    """The report: every contender's overheads, its local costs, the verdicts, where ours' CPU goes, the
-    CPU by thread; then the node-memory section when its contenders ran."""
+def markdown(s: dict[str, Any], run: str = "") -> list[str]:
+    """The report: the paired overheads, every contender's minima and overheads, its local costs, the
+    verdicts, where ours' CPU goes, the CPU by thread; then the node-memory section when its contenders ran."""
     j, rows = s["job"], s["rows"]
     model = ("Lightning's demo Transformer (`LightningTransformer`" if j.get("model", "transformer") == "transformer"
              else "An MLP (512 → 2048 → 2048 → 10")
-    lines = [f"## {model}, {j['params'] / 1e6:.1f} M parameters + Adam, {j['state_mb']:.0f} MB state), 1 CPU device, "
-             f"{j['steps']} steps, checkpoint every {j['every']}, torch threads {j['threads'] or 'default'}: min of "
+    lines = [*([run, ""] if run else []),
+             f"## {model}, {j['params'] / 1e6:.1f} M parameters + Adam, {j['state_mb']:.0f} MB state), 1 CPU device, "
+             f"{j['steps']} steps, checkpoint every {j['every']}, torch threads {j['threads'] or 'default'}: "
              f"{rows['none']['rounds']} alternated rounds, one process per fit", "",
+             "Overheads paired by round (each fit against the no-checkpointing fit of its round; median / mean ± "
+             "standard error over the rounds; `(noise)`: the mean within two standard errors of zero):", "",
+             *paired_table(s), "",
              f"Spread of the no-checkpointing fits (max ÷ min − 1): process CPU {s['cpu_spread'] * 100:.1f} %, "
-             f"fit wall {s['wall_spread'] * 100:.1f} %.", "",
+             f"fit wall {s['wall_spread'] * 100:.1f} %. Minima of the rounds:", "",
              *table(["configuration", "process CPU s (min)", "overhead", "fit CPU s (min)", "overhead",
                      "fit wall s (min)", "overhead", "per round: CPU / wall s", "drift-corrected CPU / wall overhead",
                      "checkpoints", "extra process CPU per ckpt ms",
@@ -220,10 +127,12 @@ def memory_verdicts(s: dict[str, Any]) -> list[str]:
     disk = f"memory + {j['disk_mb_s']:g} MB/s disk, every {j['every']}"
     if "ours_mem" in rows:
         r = rows["ours_mem"]
-        cpu, own, wall, end = (r[k] for k in ("process_cpu_s_overhead", "own_cpu_overhead", "fit_wall_s_overhead",
-                                              "end_wall_s_overhead"))
+        pr = {k: Paired.of(r["paired"][k]) for k in ("process_cpu", "fit_wall", "end_wall")}
+        (cpu, wall, end), own = (pr[k].median for k in pr), r["own_cpu_overhead"]
+        noise = {k: " (inside the noise)" if v.noise else "" for k, v in pr.items()}
         lines.append(f"- {disk}, CPU time (target ≤ {MEMORY_TARGET * 100:g} %): whole process {pct(cpu)} → "
-                     f"{verdict(cpu <= MEMORY_TARGET)}; the checkpoint threads' own CPU ÷ the rest of the fit's "
+                     f"{verdict(cpu <= MEMORY_TARGET)}{noise['process_cpu']}; the checkpoint threads' own CPU ÷ "
+                     f"the rest of the fit's "
                      f"{pct(own)} → {verdict(own <= MEMORY_TARGET)} (no-checkpointing fits spread "
                      f"{s['cpu_spread'] * 100:.1f} %); without the one-time set-up (the import of "
                      f"`lightning_ckpt`, {r['import_cpu_ms']:.0f} ms, and the buffers' reservation, "
@@ -231,9 +140,10 @@ def memory_verdicts(s: dict[str, Any]) -> list[str]:
                      f"{pct(r.get('own_cpu_steady_overhead', own))} → "
                      f"{verdict(r.get('own_cpu_steady_overhead', own) <= MEMORY_TARGET)}")
         lines.append(f"- {disk}, wall time (target ≤ {MEMORY_TARGET * 100:g} %): fit {pct(wall)} → "
-                     f"{verdict(wall <= MEMORY_TARGET)}, of which {r['final_wait_s']:.1f} s (median) is `fit` waiting "
+                     f"{verdict(wall <= MEMORY_TARGET)}{noise['fit_wall']}, of which {r['final_wait_s']:.1f} s "
+                     f"(median) is `fit` waiting "
                      f"at its end for the disk to hold the last checkpoint; training alone (up to `on_train_end`) "
-                     f"{pct(end)} → {verdict(end <= MEMORY_TARGET)} (no-checkpointing fits spread "
+                     f"{pct(end)} → {verdict(end <= MEMORY_TARGET)}{noise['end_wall']} (no-checkpointing fits spread "
                      f"{s['wall_spread'] * 100:.1f} %" + (f"; other processes used up to {foreign:.2f} of "
                                                          f"{os.cpu_count()} cores during these fits: wall-time "
                                                          "figures not conclusive" if foreign > 0.3 else "") + ")")
@@ -256,7 +166,7 @@ def memory_verdicts(s: dict[str, Any]) -> list[str]:
             lines.append(f"- every step, process CPU over no checkpointing ÷ checkpoints ({what}): ours {r[key]:.1f} "
                          f"ms vs copy + xxh3 {f[key]:.1f} ms per step: {shown}; the floor is within the noise here "
                          f"(the no-checkpointing fits' CPU spread is {noise:.0f} ms per step)")
-    left = {c: rows[c]["shm_left_fits"] for c in MEMORY_LEVEL if c in rows}
+    left = {c: r["shm_left_fits"] for c, r in rows.items() if CONTENDER[r["contender"]].memory}
     if left:
         lines.append("- /dev/shm after `fit` (before the job's own clean-up): " + "; ".join(
             f"{rows[c]['label']}: {n} of {rows[c]['rounds']} fits left files"
@@ -300,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="smoke run: 30 steps, one round")
     p.add_argument("--tf-steps", type=int, default=120)
     p.add_argument("--tf-every", type=int, default=10)
-    p.add_argument("--tf-rounds", type=int, default=3)
+    p.add_argument("--tf-rounds", type=int, default=8)
     p.add_argument("--tf-threads", type=int, default=0, help="torch threads of the fits (0: torch's default)")
     p.add_argument("--tf-contenders", default=",".join(DEFAULT_CONTENDERS),
                    help=f"comma-separated, among {','.join(CONTENDERS)} (none is always run)")
@@ -317,17 +227,18 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"--tf-contenders: unknown {sorted(set(chosen) - set(CONTENDERS))}; choose among "
                              f"{', '.join(CONTENDERS)}")
         contenders = ["none"] + [c for c in CONTENDERS if c in chosen and c != "none"]
-        steps, rounds = (30, 1) if a.quick else (a.tf_steps, a.tf_rounds)
+        steps, n = (30, 1) if a.quick else (a.tf_steps, a.tf_rounds)
         job = FitJob(model=a.model, steps=steps, every=a.tf_every, threads=a.tf_threads, disk_mb_s=a.tf_disk_mb_s)
-        print(f"bench_lightning: {a.model}, {steps} steps, k={a.tf_every}, {rounds} rounds of "
-              f"{', '.join(contenders)}", flush=True)
-        fits = measure(job, contenders, rounds, os.path.join(a.dir or tempfile.mkdtemp(prefix="bench_lightning-"),
-                                                             "run"), quiet=a.quiet)
-        doc = {"config": {"quick": a.quick, "cpu_count": os.cpu_count(), "argv": sys.argv[1:]},
-               "transformer": {"summary": summarize(job, fits, contenders),
-                               "fits": [{**r.as_json(), "foreign_cores": load} for r, load in fits]}}
+        print(f"bench_lightning: {a.model}, {steps} steps, k={a.tf_every}, {n} rounds of {', '.join(contenders)}",
+              flush=True)
+        fits = rounds(job, contenders, n, os.path.join(a.dir or tempfile.mkdtemp(prefix="bench_lightning-"), "run"),
+                      quiet=a.quiet)
+        doc = {"config": {"quick": a.quick, "cpu_count": os.cpu_count(), "argv": sys.argv[1:],
+                          "run": run_line(f"`bench_lightning.py {' '.join(sys.argv[1:])}`")},
+               "transformer": {"summary": summarize(job, fits, contenders), "fits": [r.as_json() for r in fits]}}
     name = f"bench_lightning_{doc['transformer']['summary']['job'].get('model', 'transformer')}"
-    write_report(a.out, name, "\n".join(markdown(doc["transformer"]["summary"])) + "\n", doc)
+    text = markdown(doc["transformer"]["summary"], doc["config"].get("run", ""))
+    write_report(a.out, name, "\n".join(text) + "\n", doc)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 What it measures and its targets: ``benchmarks/README.md``, section bench_overhead. The MLP of
 ``_lightning_job``, one fresh process per fit: no checkpointing, ours at budgets 2 %, 3.5 % and 10 %,
 ``ModelCheckpoint`` with and without ``AsyncCheckpointIO`` every ``k`` steps (``k``: the mean interval
-ours applied at 3.5 %, measured first), then ours at 3.5 % on a disk slowed halfway through so that a
-checkpoint's write takes ``--slow-factor`` adaptive intervals. Medians over ``--reps`` alternated rounds.
+ours applied at 3.5 % in a first, calibrating fit), then ours at 3.5 % on a disk slowed halfway through so
+that a checkpoint's write takes ``--slow-factor`` adaptive intervals. ``--reps`` rounds alternating the
+configurations (``_lightning_job.rounds``); medians, and the overheads paired by round (``_fit_figures``).
 
 Usage::
 
@@ -23,8 +24,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import fmt, parser, pct, table, verdict, write_report  # noqa: E402
-from _lightning_job import (FitJob, FitResult, clean_step, drift_corrected, local_costs, mean, median,  # noqa: E402
-                            quiet_fit, warm_up)
+from _fit_figures import clean_step, drift_corrected, mean, median, paired_table, run_line, summarize  # noqa: E402
+from _lightning_job import FitJob, FitResult, quiet_fit, rounds  # noqa: E402
 
 BUDGETS = (0.02, 0.035, 0.10)
 REFERENCE_BUDGET = 0.035
@@ -58,32 +59,25 @@ def settled_interval(r: FitResult) -> int:
     return max(1, round((saves(r)[-1] - saves(r)[0]) / (len(saves(r)) - 1)))
 
 
-def summarize(fits: list[FitResult], names: list[str], k: int) -> dict[str, Any]:
-    """Per configuration: loop time and overhead (median and drift-corrected), checkpoints, interval,
-    expected lost work, local cost per checkpoint, stall, training-thread CPU."""
-    by = {n: [r for r in fits if r.name == n] for n in names}
-    base = median([r.loop_s for r in by["none"]])
-    base_round = {r.rep: r for r in by["none"]}
-    it = base / len(by["none"][0].marks)
-    rows: dict[str, Any] = {}
-    for n in names:
-        rs = by[n]
+def summarize_budgets(job: FitJob, fits: list[FitResult], names: list[str], k: int) -> dict[str, Any]:
+    """:func:`_fit_figures.summarize` (local costs over :data:`WINDOW` steps), and per configuration its loop
+    time and overhead (median, and drift-corrected), checkpoints, interval, expected lost work, local wall
+    cost per checkpoint, stall, training-thread CPU and the policy's own estimate of its overhead."""
+    s = summarize(job, fits, names, window=WINDOW)
+    base = median([r.loop_s for r in fits if r.name == "none"])
+    base_round = {r.rep: r for r in fits if r.name == "none"}
+    it = base / len(next(r for r in fits if r.name == "none").marks)
+    for n, row in s["rows"].items():
+        rs = [r for r in fits if r.name == n]
         ivs = [i for r in rs for i in intervals(r)]
-        figs = [f for r in rs for f in r.figures if f.get("kind", "save") == "save"]
-        rows[n] = {
+        row.update({
             "loop_s": median([r.loop_s for r in rs]), "overhead": median([r.loop_s for r in rs]) / base - 1,
             "dc_overhead": median([drift_corrected(r, base_round[r.rep], total="loop_s") for r in rs
                                    if r.rep in base_round]),
             "n_ckpt": median([float(len(saves(r))) for r in rs]), "mean_interval": mean(ivs),
-            "expected_lost_work_s": mean(ivs) / 2 * it,
-            "local_cost_ms": mean([c * 1e3 for r in rs for c in local_costs(r, WINDOW)] if n != "none" else []),
-            "stall_ms": mean([f["stall_ms"] for f in figs]),
-            "train_cpu_ms": mean([x for r in rs for x in r.train_cpu_ms]),
-            "policy_overhead": mean([f["measured_overhead"] for f in figs if "measured_overhead" in f]),
-            "clean_step_ms": median([clean_step(r) * 1e3 for r in rs]),
-            "foreign_cores_max": max(r.counters.get("foreign_cores", math.nan) for r in rs),
-        }
-    return {"rows": rows, "iteration_ms": it * 1e3, "k": k}
+            "expected_lost_work_s": mean(ivs) / 2 * it, "policy_overhead": row["measured_overhead"],
+            "local_cost_ms": row["local_wall_ms"] if n != "none" else math.nan})
+    return {**s, "iteration_ms": it * 1e3, "k": k}
 
 
 def verdicts(s: dict[str, Any]) -> list[str]:
@@ -123,10 +117,10 @@ def slow_summary(r: FitResult, at: int, mb_s: float) -> dict[str, Any]:
             "overhead_after": (t[-1] - t[at - 1]) / ((len(t) - at) * it) - 1}
 
 
-def markdown(s: dict[str, Any], slow: dict[str, Any] | None, steps: int, reps: int) -> str:
-    """The configurations' table, the verdicts and the slowed fit's before and after."""
-    lines = [f"# bench_overhead: MLP + Adam, {steps} steps, iteration ≈ {s['iteration_ms']:.0f} ms, {reps} rounds, "
-             f"peers every k = {s['k']} steps", "",
+def markdown(s: dict[str, Any], slow: dict[str, Any] | None, steps: int, reps: int, run: str = "") -> str:
+    """The configurations' table, the paired overheads, the verdicts and the slowed fit's before and after."""
+    lines = [*([run, ""] if run else []), f"# bench_overhead: MLP + Adam, {steps} steps, iteration ≈ "
+             f"{s['iteration_ms']:.0f} ms, {reps} rounds, peers every k = {s['k']} steps", "",
              *table(["configuration", "loop s", "overhead", "drift-corrected", "policy's estimate", "checkpoints",
                      "mean interval", "expected lost work s", "local cost per ckpt ms", "stall ms (ours)",
                      "training-thread CPU per ckpt ms", "clean step ms", "foreign load (max cores)"], [[
@@ -135,7 +129,8 @@ def markdown(s: dict[str, Any], slow: dict[str, Any] | None, steps: int, reps: i
                  fmt(r["expected_lost_work_s"], "{:.2f}"), fmt(r["local_cost_ms"]), fmt(r["stall_ms"]),
                  fmt(r["train_cpu_ms"]), f"{r['clean_step_ms']:.1f}", fmt(r["foreign_cores_max"], "{:.2f}")]
                  for n, r in s["rows"].items()]),
-             "", *verdicts(s), ""]
+             "", "Overheads paired by round (median / mean ± standard error; `(noise)`: within two standard errors "
+             "of zero):", "", *paired_table(s), "", *verdicts(s), ""]
     if slow is not None:
         rows = [[what, fmt(slow[key.format("before")], spec),
                  fmt(slow[key.format("end" if key.startswith("policy") else "after")], spec)]
@@ -166,34 +161,24 @@ def main(argv: list[str] | None = None) -> None:
     if a.quick:
         a.steps, a.reps, a.slow_steps = 120, 1, 160
     job = FitJob(model="mlp", steps=a.steps, threads=a.threads)
-    workdir, fits = os.path.join(a.dir or tempfile.mkdtemp(prefix="bench_overhead-"), "run"), []
-    warm_up(job, workdir)
-
-    def run(name: str, contender: str, rep: int, fit_job: FitJob = job, **kw: Any) -> FitResult:
-        r, foreign = quiet_fit(fit_job, contender, workdir, a.quiet, retry=True, rep=rep, name=name, **kw)
-        r.counters["foreign_cores"] = foreign
-        fits.append(r)
-        return r
-
-    ref = name_of(REFERENCE_BUDGET)
-    k = settled_interval(run(ref, "ours", 0, budget=REFERENCE_BUDGET))  # first: the peers' k comes from it
+    workdir, ref = os.path.join(a.dir or tempfile.mkdtemp(prefix="bench_overhead-"), "run"), name_of(REFERENCE_BUDGET)
+    k = settled_interval(quiet_fit(job, "ours", workdir, a.quiet, name=ref, budget=REFERENCE_BUDGET))
     print(f"bench_overhead: adaptive 3.5 % applied a mean interval of k = {k} steps", flush=True)
-    peer_job = FitJob(**{**asdict(job), "every": k})
-    order = [*(name_of(b) for b in BUDGETS if b != REFERENCE_BUDGET), "none", "mc_sync", "mc_async"]
-    for rep in range(a.reps):
-        for n in (order if rep % 2 == 0 else [ref, *order[::-1]]):
-            budget = float(n[5:-1]) / 100 if n.startswith("ours_") else 0.0
-            run(n, "ours" if budget else n, rep, peer_job if n.startswith("mc") else job, budget=budget)
-    summary = summarize(fits, ["none", *(name_of(b) for b in BUDGETS), "mc_sync", "mc_async"], k)
-    slow = None
+    names = ["none", *(name_of(b) for b in BUDGETS), "mc_sync", "mc_async"]
+    configs = {**{name_of(b): {"contender": "ours", "budget": b} for b in BUDGETS},
+               **{n: {"job": FitJob(**{**asdict(job), "every": k})} for n in ("mc_sync", "mc_async")}}
+    fits = rounds(job, names, a.reps, workdir, a.quiet, retry=True, configs=configs)
+    summary, slow = summarize_budgets(job, fits, names, k), None
     if not a.no_slow:
         at = a.slow_steps // 2
         mb_s = fits[-1].params * 12 / 1e6 / (a.slow_factor * k * summary["iteration_ms"] / 1e3)
-        r = run("ours_3.5%_slow", "ours", 0, FitJob(**{**asdict(job), "steps": a.slow_steps}),
-                budget=REFERENCE_BUDGET, slow_at_step=at, slow_mb_s=mb_s)
+        r = quiet_fit(FitJob(**{**asdict(job), "steps": a.slow_steps}), "ours", workdir, a.quiet, True,
+                      name="ours_3.5%_slow", budget=REFERENCE_BUDGET, slow_at_step=at, slow_mb_s=mb_s)
+        fits.append(r)
         slow = slow_summary(r, at, mb_s)
-    write_report(a.out, "bench_overhead", markdown(summary, slow, a.steps, a.reps),
-                 {"summary": summary, "slowdown": slow, "fits": [r.as_json() for r in fits]})
+    run = run_line(f"`bench_overhead.py {' '.join(sys.argv[1:])}`")
+    write_report(a.out, "bench_overhead", markdown(summary, slow, a.steps, a.reps, run),
+                 {"run": run, "summary": summary, "slowdown": slow, "fits": [r.as_json() for r in fits]})
 
 
 if __name__ == "__main__":

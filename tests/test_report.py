@@ -459,13 +459,12 @@ def test_the_memory_section_holds_each_target_against_its_own_figure(monkeypatch
             # own CPU per checkpoint: 20 ms on the training thread + 40 ms of threads = 60 ms, 2 x the floor
             _fit("ours_mem_every1", 11.5, 6.0, 5.5, [20.0] * 19, {"ckpt-persist": 19 * 0.04}, _saves(range(2, 21))),
             _fit("copy_hash_every1", 10.6, 5.2, 5.2, [30.0] * 20, {}, copy_hash=[(0.04, 0.03)] * 20)]
-    summary = bench_lightning.summarize(job, [(f, 0.0) for f in fits], [f.contender for f in fits])
+    summary = bench_lightning.summarize(job, fits, [f.contender for f in fits])
     text = "\n".join(bench_lightning.markdown(summary))
     assert "## Node-memory level in front of a 50 MB/s disk" in text
     assert "whole process +2.0 % → PASS" in text  # 10.2 s against 10.0 s
     assert "fit +2.0 % → PASS" in text and "training alone (up to `on_train_end`) +1.0 % → PASS" in text
     assert "ours (memory + disk) 60.0 ms vs copy + xxh3 30.0 ms per step" in text and "2.00 × → FAIL" in text
     assert "0 of 1 fits left files" in text
-    again = bench_lightning.resummarize({"summary": summary, "fits": [{**f.as_json(), "foreign_cores": 0.0}
-                                                                        for f in fits]})
+    again = bench_lightning.resummarize({"summary": summary, "fits": [f.as_json() for f in fits]})
     assert "\n".join(bench_lightning.markdown(again["summary"])) == text
