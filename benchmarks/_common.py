@@ -8,12 +8,14 @@ its huge-page allocator and its encoder).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import fcntl
 import gc
 import json
 import mmap
 import os
+import pathlib
 import random
 import resource
 import shutil
@@ -23,7 +25,7 @@ import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -89,11 +91,8 @@ def timed_save(ck: Any, state: Any, step: int, **kwargs: Any) -> tuple[float, fl
     """One save of ours as every benchmark times it: (stall, seconds until committed, what ``save()``
     returned); then, untimed, the wait for the deletion of older checkpoints (``keep_last``), which left
     running would slow whatever is timed next and flatter ours beside it."""
-    start = time.perf_counter()
-    handle = ck.save(state, step, **kwargs)
-    stall = time.perf_counter() - start
-    ck.wait()
-    total = time.perf_counter() - start
+    stall, handle = timed(lambda: ck.save(state, step, **kwargs))
+    total = stall + timed(ck.wait)[0]
     ck.wait(retention=True)
     return stall, total, handle
 
@@ -124,9 +123,7 @@ def numbered(values: Sequence[float]) -> Metrics:
 
 def num(x: Any) -> str:
     """A figure for a table: 3 significant digits, whole numbers from 1000 on; ``-`` for none or NaN."""
-    if not isinstance(x, (int, float)) or x != x:
-        return "-"
-    return f"{x:.0f}" if abs(x) >= 1000 else f"{x:.3g}"
+    return fmt(x, "{:.0f}" if abs(x) >= 1000 else "{:.3g}") if isinstance(x, (int, float)) else "-"
 
 
 def fmt(x: Any, spec: str = "{:.1f}") -> str:
@@ -149,14 +146,11 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else 0.0
 
 
-def md_row(cells: Iterable[Any]) -> str:
-    """One line of a Markdown table: each cell through ``str``, an empty one as ``| |``."""
-    return "|" + "".join(f" {c} |" if str(c) else " |" for c in cells)
-
-
 def table(header: Sequence[str], rows: Iterable[Iterable[Any]], rule: str | None = None) -> list[str]:
-    """A Markdown table's lines: ``header``, its rule (``rule``, else ``|---|`` per column), one per row."""
-    return [md_row(header), rule or "|---" * len(header) + "|", *(md_row(r) for r in rows)]
+    """A Markdown table's lines: ``header``, its rule (``rule``, else ``|---|`` per column), one per row;
+    each cell through ``str``, an empty one as ``| |``."""
+    head, *body = ["|" + "".join(f" {c} |" if str(c) else " |" for c in cells) for cells in [header, *rows]]
+    return [head, rule or "|---" * len(header) + "|", *body]
 
 
 def parser(doc: str | None, scratch: str | None = "", quiet: bool = False) -> argparse.ArgumentParser:
@@ -178,10 +172,8 @@ def parser(doc: str | None, scratch: str | None = "", quiet: bool = False) -> ar
 def write_report(out: str, name: str, text: str, doc: dict[str, Any]) -> str:
     """Write ``out/<name>.md`` (``text``) and ``out/<name>.json`` (``doc``); print and return ``text``."""
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, f"{name}.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(out, f"{name}.json"), "w") as f:
-        json.dump(doc, f, indent=1, default=str)
+    for ext, body in (("md", text), ("json", json.dumps(doc, indent=1, default=str))):
+        pathlib.Path(out, f"{name}.{ext}").write_text(body)
     print(text)
     return text
 
@@ -193,17 +185,13 @@ def git_commit() -> str:
 
 
 # ---- host memory -------------------------------------------------------------------------------------
-def _status_kib(field: str) -> int:
+def rss_bytes(field: str = "VmRSS") -> int:
+    """Resident set size of this process now (``field``: another size of ``/proc/self/status``)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
-                return int(line.split()[1])
+                return int(line.split()[1]) * 1024
     raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def rss_bytes() -> int:
-    """Resident set size of this process now."""
-    return _status_kib("VmRSS") * 1024
 
 
 class MemProbe:
@@ -230,14 +218,12 @@ class MemProbe:
 
     def peak_extra(self) -> int:
         """Bytes by which the peak RSS since ``start()`` exceeded the baseline."""
-        return max(0, _status_kib("VmHWM") * 1024 - self.baseline)
+        return max(0, rss_bytes("VmHWM") - self.baseline)
 
 
 def trim_heap() -> None:
     """Return free heap memory to the kernel (glibc only; a no-op elsewhere)."""
-    trim = getattr(_LIBC, "malloc_trim", None)
-    if trim is not None:
-        trim(0)
+    getattr(_LIBC, "malloc_trim", lambda _: 0)(0)
 
 
 def prime_free_memory(nbytes: int) -> None:
@@ -247,9 +233,7 @@ def prime_free_memory(nbytes: int) -> None:
     pages took 0.9-1.6 s to fill after 5 s idle, 0.16-0.20 s right after this priming."""
     from ckpt_engine.host import hugepages
 
-    block = hugepages.empty((nbytes + 64 * MiB,), torch.uint8)
-    block.fill_(0)
-    del block
+    hugepages.empty((nbytes + 64 * MiB,), torch.uint8).fill_(0)  # freed as soon as filled
 
 
 # ---- the synthetic training state --------------------------------------------------------------------
@@ -291,9 +275,8 @@ def tensors_of(state: Any, local: bool = False) -> list[torch.Tensor]:
         return [state.to_local()]
     if isinstance(state, torch.Tensor):
         return [state]
-    if isinstance(state, dict):
-        return [t for v in state.values() for t in tensors_of(v, local)]
-    if isinstance(state, (list, tuple)):
+    if isinstance(state, (dict, list, tuple)):
+        state = state.values() if isinstance(state, dict) else state
         return [t for v in state for t in tensors_of(v, local)]
     return []
 
@@ -307,7 +290,7 @@ def saved_bytes(state: Any) -> int:
     """Tensor bytes a checkpoint of ``state`` stores (the engine's ``encode()`` stores shared data once)."""
     from ckpt_engine.state.values import encode
 
-    return sum(t.numel() * t.element_size() for t in encode(state).tensors)
+    return state_bytes(encode(state).tensors)
 
 
 def empty_like_state(state: Any) -> Any:
@@ -337,12 +320,20 @@ def share_slices(state: Any, rank: int, world: int) -> list[tuple[int, int]]:
     return out
 
 
+@contextlib.contextmanager
+def _fd(path: str, flags: int = os.O_RDONLY) -> Iterator[int]:
+    fd = os.open(path, flags, 0o644)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
 def write_fsync(path: str, views: Iterable[memoryview], direct: bool = False) -> int:
     """Write ``views`` to a new file and ``fsync`` it; returns the bytes written. ``direct``: ``O_DIRECT``
     for the 4 KiB-aligned head of each view (which must start page-aligned), the tail through the cache."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o644)
     done = 0
-    try:
+    with _fd(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)) as fd:
         for view in views:
             view = view.cast("B")
             head, pos = (len(view) - len(view) % 4096 if direct else 0), 0
@@ -354,27 +345,21 @@ def write_fsync(path: str, views: Iterable[memoryview], direct: bool = False) ->
                 pos += os.write(fd, view[pos:])
             done += pos
         os.fsync(fd)
-    finally:
-        os.close(fd)
     return done
-
-
-def aligned_copy(data: memoryview) -> memoryview:
-    """A page-aligned (``mmap``) copy of ``data``, as direct I/O needs."""
-    view = memoryview(mmap.mmap(-1, max(1, len(data))))[:len(data)]
-    view[:] = data.cast("B")
-    return view
 
 
 class RawWriter:
     """``write`` + ``fsync`` of ``data`` to a new file per call, the oldest beyond ``keep`` deleted after
     the write as ours deletes after its commit: on this VM a write that follows the deletion of a file of
-    its size runs ~5x faster than one needing fresh pages, so both keep the same number of files."""
+    its size runs ~5x faster than one needing fresh pages, so both keep the same number of files.
+    ``direct``: ``O_DIRECT`` from a page-aligned (``mmap``) copy of ``data``."""
 
     def __init__(self, ctx: RankCtx, data: memoryview, direct: bool = False, keep: int = 1) -> None:
         self.ctx, self.files, self.direct, self.keep = ctx, [], direct, keep
-        self.data = aligned_copy(data) if direct else data
-        self.tag = "rawd" if direct else "raw"
+        self.data, self.tag = data, "rawd" if direct else "raw"
+        if direct:
+            self.data = memoryview(mmap.mmap(-1, max(1, len(data))))[:len(data)]
+            self.data[:] = data.cast("B")
 
     def write(self) -> float:
         """Seconds to write and ``fsync`` one file."""
@@ -407,8 +392,8 @@ def read_into(paths: Sequence[str], dest: memoryview, threads: int = 1, verify_s
         for path, size in zip(paths, sizes):
             a, b = max(lo, start), min(hi, start + size)
             if a < b:
-                fd, digest = os.open(path, os.O_RDONLY), xxhash.xxh3_64() if verify_step else None
-                try:
+                digest = xxhash.xxh3_64() if verify_step else None
+                with _fd(path) as fd:
                     while a < b:
                         n = os.preadv(fd, [dest[a:b if digest is None else min(b, a + verify_step)]], a - start)
                         if n == 0:
@@ -416,8 +401,6 @@ def read_into(paths: Sequence[str], dest: memoryview, threads: int = 1, verify_s
                         if digest is not None:
                             digest.update(dest[a:a + n])
                         a, got = a + n, got + n
-                finally:
-                    os.close(fd)
                 if digest is not None:
                     digest.hexdigest()  # as a reader compares it
             start += size
@@ -439,43 +422,33 @@ def _files(paths: Sequence[str]) -> list[str]:
     return out
 
 
-def drop_page_cache(paths: Sequence[str]) -> None:
+def drop_page_cache(paths: Sequence[str], cold: bool = True) -> None:
     """Every file under ``paths`` out of the page cache: ``fsync``, then ``posix_fadvise(DONTNEED)``
-    (drops clean pages without root, unlike ``drop_caches``)."""
+    (drops clean pages without root, unlike ``drop_caches``); ``cold`` False: into it (read through once)."""
+    chunk = None if cold else memoryview(bytearray(16 << 20))
     for path in _files(paths):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        with _fd(path) as fd:
+            if chunk is None:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            else:
+                while os.readv(fd, [chunk]):
+                    pass
 
 
 def set_page_cache(ctx: RankCtx, paths: Sequence[str], cold: bool) -> None:
-    """Every file under ``paths`` out of the page cache (``cold``) or in it (read through once); done by
+    """Every file under ``paths`` out of the page cache (``cold``) or in it (:func:`drop_page_cache`); done by
     rank 0 for the node, between barriers."""
     ctx.barrier()
-    if ctx.rank == 0 and cold:
-        drop_page_cache(paths)
-    elif ctx.rank == 0:
-        chunk = memoryview(bytearray(16 << 20))
-        for path in _files(paths):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                while os.readv(fd, [chunk]):
-                    pass
-            finally:
-                os.close(fd)
+    if ctx.rank == 0:
+        drop_page_cache(paths, cold)
     ctx.barrier()
 
 
 def fsync_path(path: str) -> None:
     """``fsync`` an existing file (or directory) by path."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
+    with _fd(path) as fd:
         os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -496,11 +469,7 @@ def spawn_ranks(main: Any, world: int, cfg: Any) -> list[dict]:
     workdir = os.path.join(cfg.dir, f"world{world}")
     os.makedirs(workdir, exist_ok=True)
     mp.spawn(main, args=(world, cfg, workdir, free_port()), nprocs=world, join=True)
-    ranks = []
-    for r in range(world):
-        with open(os.path.join(workdir, f"rank-{r}.json")) as f:
-            ranks.append(json.load(f))
-    return ranks
+    return [json.loads(pathlib.Path(workdir, f"rank-{r}.json").read_text()) for r in range(world)]
 
 
 def run_stages(ctx: RankCtx, stages: Iterable[Callable[[], dict[str, Metrics]]], path: str, **extra: Any) -> None:
@@ -510,31 +479,29 @@ def run_stages(ctx: RankCtx, stages: Iterable[Callable[[], dict[str, Metrics]]],
         elapsed, produced = timed(stage)
         results.update({name: {**metrics, "stage_s": elapsed} for name, metrics in produced.items()})
         gc.collect()
-    with open(path, "w") as f:
-        json.dump({**results, **extra}, f)
+    pathlib.Path(path).write_text(json.dumps({**results, **extra}))
     if ctx.world > 1:
         dist.barrier()
         dist.destroy_process_group()
 
 
+def _merge(figures: Iterable[Metrics], largest: Callable[[str], bool]) -> Metrics:
+    """Per figure over ``figures``: the largest value where ``largest(key)``, else the smallest."""
+    out: Metrics = {}
+    for m in figures:
+        for key, value in m.items():
+            out[key] = (max if largest(key) else min)(out.get(key, value), value)
+    return out
+
+
 def slowest(ranks: list[dict[str, Metrics]]) -> dict[str, Metrics]:
     """Per contender and figure, the largest value any rank reported, the smallest for ``load_ok``."""
-    merged: dict[str, Metrics] = {}
-    for name in ranks[0]:
-        merged[name] = {}
-        for r in ranks:
-            for key, value in r.get(name, {}).items():
-                merged[name][key] = (min if key == "load_ok" else max)(merged[name].get(key, value), value)
-    return merged
+    return {name: _merge((r.get(name, {}) for r in ranks), lambda key: key != "load_ok") for name in ranks[0]}
 
 
 def best_rounds(rounds: Iterable[Metrics]) -> Metrics:
     """Per figure over rounds: the fastest time, the largest memory (``mem_``), the worst bit-exactness."""
-    out: Metrics = {}
-    for m in rounds:
-        for key, value in m.items():
-            out[key] = (max if "mem_" in key else min)(out.get(key, value), value)
-    return out
+    return _merge(rounds, lambda key: "mem_" in key)
 
 
 def peer_rounds(ctx: RankCtx, stem: str, save: Callable[[str], Metrics],
@@ -565,7 +532,8 @@ def synchronous(save: Callable[[], Any]) -> Metrics:
 
 
 # ---- a quiet machine ---------------------------------------------------------------------------------
-def _busy_s() -> float:
+def _foreign_cpu_s() -> float:
+    """Busy CPU seconds of the machine (``/proc/stat``) minus this process's and its reaped children's."""
     try:
         with open("/proc/stat") as f:
             fields = [int(x) for x in f.readline().split()[1:]]
@@ -573,12 +541,9 @@ def _busy_s() -> float:
         return float("nan")
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
     guest = sum(fields[8:10]) if len(fields) > 9 else 0  # already counted in user / nice
-    return (sum(fields) - idle - guest) / os.sysconf("SC_CLK_TCK")
-
-
-def _own_cpu_s() -> float:
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+    own = me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+    return (sum(fields) - idle - guest) / os.sysconf("SC_CLK_TCK") - own
 
 
 class CpuLoad:
@@ -586,14 +551,12 @@ class CpuLoad:
     over a stretch of wall time: how many cores other processes used meanwhile."""
 
     def __init__(self) -> None:
-        self.wall, self.busy, self.own = time.perf_counter(), _busy_s(), _own_cpu_s()
+        self.wall, self.cpu = time.perf_counter(), _foreign_cpu_s()
 
     def foreign_cores(self) -> float:
         """Cores other processes kept busy, on average, since this object was made."""
         wall = time.perf_counter() - self.wall
-        if wall <= 0:
-            return float("nan")
-        return max(0.0, (_busy_s() - self.busy) - (_own_cpu_s() - self.own)) / wall
+        return max(0.0, _foreign_cpu_s() - self.cpu) / wall if wall > 0 else float("nan")
 
 
 def wait_quiet(threshold: float, window: float = 1.0, max_wait: float = 30.0) -> tuple[float, float]:

@@ -28,8 +28,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 
-def worker(args: argparse.Namespace) -> None:
-    """One rank: ``save`` (checkpoint, wait for both levels, print, sleep until killed) or a restore."""
+def worker(mode: str, mib: int, mem: str, disk: str) -> None:
+    """One rank: ``save`` (checkpoint, wait for both levels, print, sleep until killed) or a restore
+    (``memory`` or ``disk_cold``); nothing of the harness is imported, as its imports are part of its timed start."""
     import torch
     import torch.distributed as dist
 
@@ -38,9 +39,9 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     g = torch.Generator().manual_seed(0)
-    state = {f"layer{i}": torch.randn(args.mib * (1 << 20) // 32, generator=g) for i in range(8)}
-    levels = [{"kind": "memory", "path": args.mem, "job": "bench-recovery"}, args.disk]
-    if args.worker == "save":
+    state = {f"layer{i}": torch.randn(mib * (1 << 20) // 32, generator=g) for i in range(8)}
+    levels = [{"kind": "memory", "path": mem, "job": "bench-recovery"}, disk]
+    if mode == "save":
         ck = Checkpointer(levels=levels, comm=TorchDistComm(), keep_last=1)
         ck.save(state, 1)
         ck.wait(flush=True)  # committed in memory, replicated, and on the disk
@@ -48,7 +49,7 @@ def worker(args: argparse.Namespace) -> None:
         print("saved", flush=True)
         time.sleep(3600)
     target = {k: torch.zeros_like(v) for k, v in state.items()}  # initialized, as a model's parameters are
-    where = {"levels": levels} if args.worker == "memory" else {"path": args.disk}
+    where = {"levels": levels} if mode == "memory" else {"path": disk}
     ck = Checkpointer(**where, comm=TorchDistComm(), keep_last=1)
     dist.barrier()
     t0 = time.perf_counter()
@@ -73,9 +74,8 @@ def job(args: argparse.Namespace, mode: str) -> list[subprocess.Popen] | dict:
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                    CKPT_NODE=str(rank), LOCAL_WORLD_SIZE="1")
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", mode, "--mib", str(args.mib), "--mem",
-                                       args.mem, "--disk", args.disk], env=env, stdout=subprocess.PIPE, text=True,
-                                      start_new_session=True))
+        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", mode, str(args.mib), args.mem,
+                                       args.disk], env=env, stdout=subprocess.PIPE, text=True, start_new_session=True))
     if mode == "save":
         for p in procs:
             assert p.stdout.readline().strip() == "saved", "the saving job failed"
@@ -86,18 +86,16 @@ def job(args: argparse.Namespace, mode: str) -> list[subprocess.Popen] | dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    from _common import drop_page_cache, parser, table, write_report
+
+    labels = {"memory": "node memory (each node holds both parts: its own and the other's replica)",
+              "disk_cold": "local disk, page cache dropped"}
+    p = parser(__doc__)
     p.add_argument("--mib", type=int, default=512, help="replicated state, MiB")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--mem", default=None, help="memory level root (default: a fresh directory in /dev/shm)")
     p.add_argument("--disk", default=None, help="disk level (default: a temporary directory)")
-    p.add_argument("--out", default=os.path.join(HERE, "out"))
     args = p.parse_args()
-    if args.worker:
-        return worker(args)
-    from _common import drop_page_cache, write_report
-
     scratch = tempfile.mkdtemp(prefix="bench-recovery-", dir=os.path.dirname(HERE))
     args.mem = args.mem or tempfile.mkdtemp(prefix="bench-recovery-", dir="/dev/shm")
     args.disk = args.disk or os.path.join(scratch, "disk")
@@ -105,12 +103,12 @@ def main() -> None:
         for proc in job(args, "save"):  # every process of the job dies at once
             os.killpg(proc.pid, 9)
             proc.wait()
-        rows: dict[str, list[dict]] = {"memory": [], "disk_cold": []}
+        rows: dict[str, list[dict]] = {mode: [] for mode in labels}
         for i in range(args.rounds):
             for mode in (("memory", "disk_cold") if i % 2 == 0 else ("disk_cold", "memory")):
                 if mode == "disk_cold":
                     drop_page_cache([args.disk])
-                rows[mode].append(job(args, "memory" if mode == "memory" else "disk"))
+                rows[mode].append(job(args, mode))
     finally:
         shutil.rmtree(args.mem, ignore_errors=True)
         shutil.rmtree(scratch, ignore_errors=True)
@@ -121,13 +119,15 @@ def main() -> None:
            "date": time.strftime("%Y-%m-%d"), "median": med, "rows": rows, "restore_ratio": ratio}
     lines = [f"# Recovery: restore from node memory vs local disk (cold), {args.mib} MiB, 2 ranks on 2 simulated "
              f"nodes, {args.rounds} rounds", "", f"{doc['machine']}, {doc['date']}", "",
-             "| restore from | restore (call to state in place) | job start to first step |", "|---|---|---|"]
-    for mode, label in (("memory", "node memory (each node holds both parts: its own and the other's replica)"),
-                        ("disk_cold", "local disk, page cache dropped")):
-        lines.append(f"| {label} | {med[mode]['restore_s'] * 1e3:.0f} ms | {med[mode]['first_step_s']:.2f} s |")
-    lines += ["", f"memory / disk cold, restore: **{ratio:.2f} x** (target <= 0.3)"]
+             *table(["restore from", "restore (call to state in place)", "job start to first step"],
+                    [[label, f"{med[m]['restore_s'] * 1e3:.0f} ms", f"{med[m]['first_step_s']:.2f} s"]
+                     for m, label in labels.items()]),
+             "", f"memory / disk cold, restore: **{ratio:.2f} x** (target <= 0.3)"]
     write_report(args.out, "bench_recovery", "\n".join(lines) + "\n", doc)
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--worker"]:
+        worker(sys.argv[2], int(sys.argv[3]), *sys.argv[4:])
+    else:
+        main()

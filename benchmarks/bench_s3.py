@@ -28,7 +28,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "tests")]
 import s3server  # noqa: E402  (tests/s3server.py: starts and stops the moto server)
-from _common import parser, table, write_fsync, write_report  # noqa: E402
+from _common import gbps, parser, table, write_fsync, write_report  # noqa: E402
 
 from ckpt_engine import Checkpointer  # noqa: E402
 from ckpt_engine.storage import fsspec_storage  # noqa: E402
@@ -137,18 +137,17 @@ def main() -> int:
     finally:
         server.stop()
     med = {k: statistics.median(v) for k, v in rows.items()}
-    gbs = {k: len(raw) / s / 1e9 for k, s in med.items()}
+    gbs = {k: gbps(len(raw), s) for k, s in med.items()}
     ratios = {k: med[a] / med[b] for k, (a, b) in RATIOS.items()}
     lines = [f"# bench_s3: {args.size_mib} MiB, {n} parts in flight of {args.part_mib} MiB, median of {args.reps}",
              "", *table(["contender", "median s", "GB/s", "÷ its raw limit"],
                         [[k, f"{med[k]:.3f}", f"{gbs[k]:.3f}", f"{gbs[k] / gbs[LIMIT[k]]:.2f}" if k in LIMIT
                           else "1 (limit)"] for k in rows]),
              "", *table(["time ratio (lower is better for ours)", "×"], [[k, f"{v:.2f}"] for k, v in ratios.items()])]
-    writes = [k for k in rows if k not in READS]
-    write_report(args.out, "bench_s3", "\n".join(lines) + "\n", {
-        "size_mib": args.size_mib, "in_flight": n, "part_mib": args.part_mib, "seconds": {k: rows[k] for k in writes},
-        "gb_per_s": {k: gbs[k] for k in writes}, "read_seconds": {k: rows[k] for k in READS},
-        "read_gb_per_s": {k: gbs[k] for k in READS}, "time_ratios": ratios})
+    doc = {"size_mib": args.size_mib, "in_flight": n, "part_mib": args.part_mib}
+    for prefix, keys in (("", [k for k in rows if k not in READS]), ("read_", READS)):
+        doc |= {f"{prefix}seconds": {k: rows[k] for k in keys}, f"{prefix}gb_per_s": {k: gbs[k] for k in keys}}
+    write_report(args.out, "bench_s3", "\n".join(lines) + "\n", {**doc, "time_ratios": ratios})
     return 0
 
 

@@ -22,7 +22,11 @@ import re
 import sys
 from typing import Any, NamedTuple
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import pool_runs  # noqa: E402
+from _common import HERE, num, table  # noqa: E402
+from bench_gpu import markdown  # noqa: E402
+
 SECTIONS = ("bench_save", "bench_lightning", "bench_overhead", "bench_s3", "bench_sharded", "bench_plan",
             "bench_gpu", "bench_recovery", "bench_exact")
 """The benchmarks, each a ``## bench_X`` section of the README with its figures' markers."""
@@ -116,10 +120,6 @@ def markdown_figures(text: str, tables: int = 1) -> list[str]:
 
 def save_figures(files: list[Result]) -> list[str]:
     """bench_save: each run's targets side by side, then the paired figures pooled over the runs."""
-    sys.path.insert(0, HERE)
-    import pool_runs
-    from _common import num, table
-
     runs, names = [r.load() for r in files], [r.run or r.date for r in files]
     rows: dict[tuple[str, str, str], list[Any]] = {}
     for i, run in enumerate(runs):
@@ -147,9 +147,6 @@ def render_section(section: str, files: list[Result]) -> str:
         data = r.load()
         lines += [f"**[`results/{r.name}`](results/{r.name})**: {run_line(r, data)}.", ""]
         if r.family.startswith("bench_gpu") and r.ext == "json":
-            sys.path.insert(0, HERE)
-            from bench_gpu import markdown
-
             lines += [*markdown(data).splitlines()[2:], ""]
         else:
             lines += [*markdown_figures(data, TABLES.get(r.family, 1)), ""]
