@@ -13,6 +13,7 @@ a few MiB and a 2-layer model, on CPU without CUDA (tests/test_gpu.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -24,7 +25,7 @@ import sys
 import time
 import traceback
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -137,21 +138,23 @@ class GpuProbe:
         for _ in range(self.reps):
             self.a @ self.a
 
-    def run(self, between: Callable[[], Any]) -> tuple[Timeline, Any]:
-        """Spin, ``between()``, workload; returns (their timeline, what ``between()`` returned)."""
+    @contextlib.contextmanager
+    def run(self) -> Iterator[Timeline]:
+        """Spin, the body of the ``with``, workload: their timeline."""
         if not CUDA:  # no device to overlap with: the workload would only add host time
-            return Timeline(), between()
+            yield Timeline()
+            return
         sync()
         tl = Timeline()
         torch.cuda._sleep(self.cycles)
-        out = between()
+        yield tl
         self.workload()
         tl.mark()
-        return tl, out
 
     def base(self) -> tuple[float, float]:
         """(spin + workload, the same with a mark after it), no save: the reference of this repetition."""
-        tl, _ = self.run(lambda: None)
+        with self.run() as tl:
+            pass
         tl.mark()
         return tl.since(1), tl.since(2)
 
@@ -160,7 +163,9 @@ class GpuProbe:
         reference is a separate spin + workload run just before, and the GPU's clocks move: ±3-5 ms per
         pair and a few ms of bias that changes between runs on an H200)."""
         base_fwd, _ = self.base()
-        return self.run(lambda: None)[0].since(1) - base_fwd
+        with self.run() as tl:
+            pass
+        return tl.since(1) - base_fwd
 
 
 # ---- physical limits ----------------------------------------------------------------------------------
@@ -331,13 +336,10 @@ def measure(make: Callable[[Any, str], Contender], state: Any, nbytes: int, work
         for i in range(reps):
             ctrl = probe.control() if i % 2 else None
             base_fwd, base_mut = probe.base()  # same clocks and heap as the save right after it
-
-            def between() -> tuple[float, float, Staged]:
+            with probe.run() as tl:
                 t = time.perf_counter()
                 ready = c.save(state, i)
-                return t, time.perf_counter() - t, ready
-
-            tl, (t, stall, ready) = probe.run(between)
+                stall = time.perf_counter() - t
             if ready is not None:
                 ready()
             mutable = time.perf_counter() - t if ready is not None else stall
@@ -358,7 +360,7 @@ def measure(make: Callable[[Any, str], Contender], state: Any, nbytes: int, work
                     shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
     finally:
         c.close()
-        c = None  # drop the reference before free_memory() (not del: closures above read it)
+        c = None  # drop the reference before free_memory()
         shutil.rmtree(root, ignore_errors=True)
         free_memory()
     steady = rows[1:] if len(rows) > 1 else rows
