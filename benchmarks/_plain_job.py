@@ -1,10 +1,12 @@
-"""The one plain PyTorch job (no front end): its models and its training loop, with the hooks a
-checkpointer needs. ``bench_exact_ddp`` runs it under DDP on gloo ranks, ``bench_exact_horovod`` under
-Horovod's ``DistributedOptimizer``, ``bench_gpu`` on one device with ours or DCP checkpointing it.
+"""The one plain PyTorch job (no front end): its models, its data and its training loop, with the hooks a
+checkpointer needs, and the paired rounds its comparisons run in. ``bench_exact_ddp`` runs it under DDP
+on gloo ranks, ``bench_exact_horovod`` under Horovod's ``DistributedOptimizer``, ``bench_gpu`` on one
+device with ours or DCP checkpointing it.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -17,7 +19,9 @@ Hook = Optional[Callable[[], None]]
 
 def mlp(depth: int, width: int, act: type[nn.Module] = nn.GELU, head: int = 0) -> nn.Sequential:
     """``depth`` blocks of ``Linear(width, width)``, ``LayerNorm(width)`` and ``act()`` (a tensor of width²
-    elements and three of width each), then ``Linear(width, head)`` where ``head`` is not 0."""
+    elements and three of width each), then ``Linear(width, head)`` where ``head`` is not 0; from seed 0,
+    the same weights on every rank and in every job."""
+    torch.manual_seed(0)
     layers = [m for _ in range(depth) for m in (nn.Linear(width, width), nn.LayerNorm(width), act())]
     return nn.Sequential(*layers, *([nn.Linear(width, head)] if head else []))
 
@@ -82,3 +86,27 @@ def train(loss: Callable[[Any], torch.Tensor], opt: torch.optim.Optimizer, batch
             after(step)
         times.append(time.perf_counter() - start)
     return times
+
+
+def batches(rank: int, count: int, *shapes: tuple[int, ...]) -> list[tuple[torch.Tensor, ...]]:
+    """``count`` batches, each a random tensor per shape of ``shapes``, from a generator seeded with ``rank``
+    (each rank its own data)."""
+    g = torch.Generator().manual_seed(rank)
+    return [tuple(torch.randn(*shape, generator=g) for shape in shapes) for _ in range(count)]
+
+
+def rotated(names: Sequence[str], r: int) -> list[str]:
+    """The order of ``names`` in round ``r``: each first in turn, so that order cancels over rounds."""
+    k = r % len(names)
+    return [*names[k:], *names[:k]]
+
+
+def paired(base: Sequence[float], other: Sequence[float]) -> dict[str, float]:
+    """``other`` against ``base`` round by round (a contender's figure and the reference's of the same round):
+    the median difference (``diff``) and ratio (``ratio``, over rounds where ``base`` is positive), and the
+    relative difference's median, mean and standard error (``rel_median``, ``rel_mean``, ``rel_se``)."""
+    ratios = [o / b for o, b in zip(other, base) if b > 0]
+    rel = [r - 1 for r in ratios]
+    return {"diff": statistics.median(o - b for o, b in zip(other, base)), "ratio": statistics.median(ratios),
+            "rel_median": statistics.median(rel), "rel_mean": statistics.mean(rel),
+            "rel_se": statistics.stdev(rel) / len(rel) ** 0.5 if len(rel) > 1 else float("nan")}

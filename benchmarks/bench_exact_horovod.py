@@ -29,8 +29,8 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from _common import CpuLoad, fmt, git_commit, parser, pct, timed, write_report  # noqa: E402
-from _plain_job import mlp, train  # noqa: E402
+from _common import CpuLoad, fmt, git_commit, parser, pct, table, timed, write_report  # noqa: E402
+from _plain_job import batches, mlp, paired, rotated, train  # noqa: E402
 
 CONTENDERS = ("fused", "exact")
 
@@ -47,19 +47,16 @@ def rank_job(a: argparse.Namespace) -> None:
 
     init_s, _ = timed(lambda: horovod_ckpt.init(deterministic_reduction=True) if a.contender == "exact"
                        else hvd.init())
-    torch.manual_seed(0)
     model = mlp(a.layers, a.width, torch.nn.ReLU)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     ck = horovod_ckpt.HorovodCheckpointer(a.ckpt_dir, model=model, optimizer=optimizer, keep_last=None,
                                           save_on_train_end=a.prepare, save_on_sigterm=False)
     restore_s, _ = timed(ck.restore)
-    g = torch.Generator().manual_seed(hvd.rank())
-    batches = [(torch.randn(a.batch, a.width, generator=g), torch.randn(a.batch, a.width, generator=g))
-               for _ in range(4)]
+    data = batches(hvd.rank(), 4, (a.batch, a.width), (a.batch, a.width))
 
     def steps(n: int, first: int = 0) -> list[float]:
-        return train(lambda b: torch.nn.functional.mse_loss(model(b[0]), b[1]), optimizer, batches, n, first)
+        return train(lambda b: torch.nn.functional.mse_loss(model(b[0]), b[1]), optimizer, data, n, first)
 
     first_step_s = steps(1)[0]
     steps(a.warmup, first=1)
@@ -104,11 +101,10 @@ def summarize(rounds: list[dict[str, dict[str, float]]]) -> dict[str, Any]:
     """Per figure: each contender's median over rounds, the median per-round difference and ratio."""
     out: dict[str, Any] = {}
     for key in FIGURES:
-        fused = [r["fused"][key] for r in rounds]
-        exact = [r["exact"][key] for r in rounds]
-        out[key] = {"fused": statistics.median(fused), "exact": statistics.median(exact),
-                    "diff": statistics.median([e - f for e, f in zip(exact, fused)]),
-                    "ratio": statistics.median([e / f for e, f in zip(exact, fused) if f > 0])}
+        fused, exact = ([r[c][key] for r in rounds] for c in CONTENDERS)
+        p = paired(fused, exact)
+        out[key] = {"fused": statistics.median(fused), "exact": statistics.median(exact), "diff": p["diff"],
+                    "ratio": p["ratio"]}
     return out
 
 
@@ -120,39 +116,35 @@ def label(shape: Shape, rounds: list[dict[str, dict[str, float]]]) -> str:
 
 def markdown(by_shape: dict[Shape, dict[str, Any]], a: argparse.Namespace, run: str) -> str:
     """The report: one paired table over the shapes, the headline lines, the per-round step ratios."""
-    lines = [f"# bench_exact_horovod: tensor fusion off (deterministic_reduction) against Horovod's default, "
-             f"{a.ranks} ranks", "", run, "",
-             f"MLPs of blocks × width (Linear(width, width) + LayerNorm per block), SGD with momentum, {a.batch} "
-             f"samples per rank and step; median of {a.steps} timed steps after {a.warmup}; {a.rounds} rounds per "
-             "model, the contenders' order alternating; one horovodrun job per contender and round:", "",
-             "| model | figure (rank 0) | fused (median) | exact (median) | exact - fused (median of rounds) "
-             "| exact / fused (median of rounds) |", "|---|---|---:|---:|---:|---:|"]
-    for shape, done in by_shape.items():
-        s = done["summary"]
-        for key in FIGURES:
-            r, unit = s[key], "ms" if key.endswith("_ms") else "s"
-            spec = "{:.1f}" if unit == "ms" else "{:.3f}"
-            lines.append(f"| {label(shape, done['rounds'])} | {key.rsplit('_', 1)[0].replace('_', ' ')} {unit} "
-                         f"| {fmt(r['fused'], spec)} | {fmt(r['exact'], spec)} | {fmt(r['diff'], '{:+' + spec[2:])} "
-                         f"| {fmt(r['ratio'], '{:.2f}')} |")
-    lines.append("")
     price = (f"the price of bit-identical resume on {a.ranks} ranks" if a.ranks > 2 else
              f"what fusion off costs with a core per rank (on {a.ranks} ranks the reduction is exact either way)")
+    rows, heads, notes = [], [], []
     for shape, done in by_shape.items():
-        step, restart = done["summary"]["step_ms"], done["summary"]["restart_s"]
-        lines.append(f"- {label(shape, done['rounds'])}: per step exact / fused {step['ratio']:.2f} × "
-                     f"({pct(step['ratio'] - 1)}, {step['diff']:+.1f} ms); restart (start Horovod + restore + first "
-                     f"step) {restart['diff']:+.3f} s ({restart['ratio']:.2f} ×) → {price}")
-    lines.append("")
-    for shape, done in by_shape.items():
-        rounds = done["rounds"]
+        name, s, rounds = label(shape, done["rounds"]), done["summary"], done["rounds"]
+        for key in FIGURES:
+            unit = "ms" if key.endswith("_ms") else "s"
+            spec = "{:.1f}" if unit == "ms" else "{:.3f}"
+            r = s[key]
+            rows.append([name, f"{key.rsplit('_', 1)[0].replace('_', ' ')} {unit}", fmt(r["fused"], spec),
+                         fmt(r["exact"], spec), fmt(r["diff"], "{:+" + spec[2:]), fmt(r["ratio"], "{:.2f}")])
+        step, restart = s["step_ms"], s["restart_s"]
+        heads.append(f"- {name}: per step exact / fused {step['ratio']:.2f} × ({pct(step['ratio'] - 1)}, "
+                     f"{step['diff']:+.1f} ms); restart (start Horovod + restore + first step) "
+                     f"{restart['diff']:+.3f} s ({restart['ratio']:.2f} ×) → {price}")
         ratios = ", ".join(f"{r['exact']['step_ms'] / r['fused']['step_ms']:.2f}" for r in rounds)
         loads = ", ".join(f"{max(r[c]['foreign_cores'] for c in CONTENDERS):.1f}" for r in rounds)
-        lines.append(f"{label(shape, rounds)}: per-round step ratios {ratios}; other processes' load per round "
-                     f"(cores, the more loaded job of the pair) {loads}.")
-    lines += ["", "Notes: rank 0's figures; a step ends in the reduction, so it waits for the slowest rank. "
-              "benchmarks/README.md, section bench_exact_horovod.", ""]
-    return "\n".join(lines)
+        notes.append(f"{name}: per-round step ratios {ratios}; other processes' load per round (cores, the more "
+                     f"loaded job of the pair) {loads}.")
+    return "\n".join([
+        "# bench_exact_horovod: tensor fusion off (deterministic_reduction) against Horovod's default, "
+        f"{a.ranks} ranks",
+        "", run, "", f"MLPs of blocks × width (Linear(width, width) + LayerNorm per block), SGD with momentum, "
+        f"{a.batch} samples per rank and step; median of {a.steps} timed steps after {a.warmup}; {a.rounds} rounds "
+        "per model, the contenders' order alternating; one horovodrun job per contender and round:", "",
+        *table(["model", "figure (rank 0)", "fused (median)", "exact (median)", "exact - fused (median of rounds)",
+                "exact / fused (median of rounds)"], rows, "|---|---|---:|---:|---:|---:|"),
+        "", *heads, "", *notes, "", "Notes: rank 0's figures; a step ends in the reduction, so it waits for the "
+        "slowest rank. benchmarks/README.md, section bench_exact_horovod.", ""])
 
 
 def run_line() -> str:
@@ -202,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
             launch(a, shape, "fused", ckpt_dir, prepare=True)  # the checkpoint this shape's jobs restore
             rounds = []
             for i in range(a.rounds):
-                order = CONTENDERS if i % 2 == 0 else CONTENDERS[::-1]
+                order = rotated(CONTENDERS, i)
                 rounds.append({c: launch(a, shape, c, ckpt_dir) for c in order})
                 print(f"{shape[0]}x{shape[1]} round {i + 1}: " + ", ".join(
                     f"{c} step {rounds[-1][c]['step_ms']:.1f} ms, restart {rounds[-1][c]['restart_s']:.2f} s"

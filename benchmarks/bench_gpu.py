@@ -13,6 +13,7 @@ a few MiB and a 2-layer model, on CPU without CUDA (tests/test_gpu.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -24,20 +25,21 @@ import sys
 import time
 import traceback
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 import _peers  # noqa: E402
-from _common import best_of, gbps, parser, saved_bytes, state_bytes, write_fsync  # noqa: E402
+from _peers import Staged  # noqa: E402
+from _common import best_of, gbps, md_row, parser, saved_bytes, state_bytes, table, timed, write_fsync  # noqa: E402
 from _plain_job import GPT, train  # noqa: E402
 
 from ckpt_engine import Checkpointer  # noqa: E402
 from ckpt_engine.config import CheckpointConfig  # noqa: E402
 from ckpt_engine.state.values import encode  # noqa: E402
-from ckpt_engine.training.policy import EveryNSteps  # noqa: E402
+from ckpt_engine.training.policy import EveryNSteps, Policy  # noqa: E402
 from ckpt_engine.training.schedule import Schedule  # noqa: E402
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -62,10 +64,9 @@ def free_memory() -> None:
     if CUDA:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        for fn in (getattr(torch._C, "_host_emptyCache", None), getattr(torch.cuda.memory, "empty_host_cache", None)):
-            if fn is not None:
-                fn()
-                break
+        empty_host = getattr(torch._C, "_host_emptyCache", None) or getattr(torch.cuda.memory, "empty_host_cache", None)
+        if empty_host is not None:
+            empty_host()
 
 
 # ---- the state and the GPU probe ---------------------------------------------------------------------
@@ -86,6 +87,38 @@ def make_state(nbytes: int) -> dict[str, Any]:
     return {"model": model, "optimizer": {"step": 1234, "lr": 3e-4}, "empty": torch.empty(0, device=DEV)}
 
 
+class Timeline:
+    """CUDA events on the training stream (none without CUDA), the first recorded when made: a probe run's
+    start, the end of its workload, and the mark recorded once the host was told the state may be mutated
+    (when the next optimizer step could run on the GPU)."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+        self.mark()
+
+    def mark(self) -> None:
+        """Record the next event."""
+        if CUDA:
+            self.events.append(torch.cuda.Event(enable_timing=True))
+            self.events[-1].record()
+
+    def since(self, i: int) -> float:
+        """Seconds from the first event to event ``i``; NaN where there is none."""
+        if len(self.events) <= i:
+            return float("nan")
+        self.events[i].synchronize()
+        return self.events[0].elapsed_time(self.events[i]) / 1e3
+
+
+def device_s(fn: Callable[[], Any]) -> float:
+    """Seconds the kernels ``fn`` queues take on the device, from an idle one (CUDA events)."""
+    sync()
+    tl = Timeline()
+    fn()
+    tl.mark()
+    return tl.since(1)
+
+
 class GpuProbe:
     """Times a fixed workload queued behind a spin kernel, with or without a save in between."""
 
@@ -96,73 +129,43 @@ class GpuProbe:
         self.cycles = 0
         if CUDA:
             torch.cuda._sleep(1000)
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            torch.cuda._sleep(10_000_000)
-            e1.record()
-            sync()
-            self.cycles = int(10_000_000 * 10.0 / max(e0.elapsed_time(e1), 1e-3))  # a 10 ms spin
-        self.workload_s = self.gpu_s(lambda: None) if CUDA else float("nan")
+            spin_ms = 1e3 * device_s(lambda: torch.cuda._sleep(10_000_000))
+            self.cycles = int(10_000_000 * 10.0 / max(spin_ms, 1e-3))  # a 10 ms spin
+        self.workload_s = device_s(self.workload) if CUDA else float("nan")
         self.base_s = statistics.median(self.base()[0] for _ in range(3)) if CUDA else float("nan")
 
     def workload(self) -> None:
         for _ in range(self.reps):
             self.a @ self.a
 
-    def gpu_s(self, before: Callable[[], Any]) -> float:
-        sync()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        before()
-        self.workload()
-        e1.record()
-        sync()
-        return e0.elapsed_time(e1) / 1e3
-
-    def run(self, between: Callable[[], Any]) -> tuple["Timeline", Any]:
-        """Spin, ``between()``, workload; returns (the events' timeline, what ``between()`` returned)."""
+    @contextlib.contextmanager
+    def run(self) -> Iterator[Timeline]:
+        """Spin, the body of the ``with``, workload: their timeline."""
         if not CUDA:  # no device to overlap with: the workload would only add host time
-            return Timeline(None, None), between()
+            yield Timeline()
+            return
         sync()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
+        tl = Timeline()
         torch.cuda._sleep(self.cycles)
-        out = between()
+        yield tl
         self.workload()
-        e1.record()
-        return Timeline(e0, e1), out
+        tl.mark()
 
     def base(self) -> tuple[float, float]:
         """(spin + workload, the same with a mark after it), no save: the reference of this repetition."""
-        tl, _ = self.run(lambda: None)
+        with self.run() as tl:
+            pass
         tl.mark()
-        return tl.workload_end(), tl.mutable_end()
+        return tl.since(1), tl.since(2)
 
-
-class Timeline:
-    """CUDA events of one probe run: start, end of the workload, and ``mark()`` (recorded on the
-    training stream once the host was told the state may be mutated: when the next optimizer step
-    could run on the GPU)."""
-
-    def __init__(self, e0: "torch.cuda.Event | None", e1: "torch.cuda.Event | None") -> None:
-        self.e0, self.e1, self.e2 = e0, e1, None
-
-    def mark(self) -> None:
-        if self.e0 is not None:
-            self.e2 = torch.cuda.Event(enable_timing=True)
-            self.e2.record()
-
-    def workload_end(self) -> float:
-        if self.e0 is None:
-            return float("nan")
-        self.e1.synchronize()
-        return self.e0.elapsed_time(self.e1) / 1e3
-
-    def mutable_end(self) -> float:
-        if self.e2 is None:
-            return float("nan")
-        self.e2.synchronize()
-        return self.e0.elapsed_time(self.e2) / 1e3
+    def control(self) -> float:
+        """The sequence with no save in it: its "delay" is the figure's own bias in this repetition (the
+        reference is a separate spin + workload run just before, and the GPU's clocks move: ±3-5 ms per
+        pair and a few ms of bias that changes between runs on an H200)."""
+        base_fwd, _ = self.base()
+        with self.run() as tl:
+            pass
+        return tl.since(1) - base_fwd
 
 
 # ---- physical limits ----------------------------------------------------------------------------------
@@ -199,122 +202,156 @@ def raw_write(host: torch.Tensor, workdir: str, reps: int, buffered: bool) -> di
     return out
 
 
-# ---- contenders: save() -> (ready, durable) -----------------------------------------------------------
-class Ours:
+# ---- contenders: one interface for the saves per size and the training runs --------------------------
+class Contender:
+    """A checkpointer under test, made by ``Contender(state, root)``: :meth:`save` starts a save and returns
+    what waits until the state may change; :meth:`durable` waits until the last save is durable (``pending``)
+    and returns its own figures; :meth:`after`, untimed, waits for what it left running that is no part of a
+    save; :meth:`close` drains and releases it. In a training run it saves when :meth:`schedule` says (a peer:
+    every ``policy.n`` steps) and adds :meth:`run_figures` once closed."""
+
+    pending: Staged = None
+
+    def save(self, state: Any, step: int) -> Staged:
+        raise NotImplementedError
+
+    def durable(self) -> dict[str, Any]:
+        done, self.pending = self.pending, None
+        if done is not None:
+            done()
+        return {}
+
+    def after(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.durable()
+
+    def schedule(self, policy: Policy) -> tuple[Callable[[int], bool], Callable[[int], None]]:
+        return (lambda step: step % policy.n == 0), (lambda step: None)
+
+    def run_figures(self) -> dict[str, Any]:
+        return {}
+
+
+class Ours(Contender):
+    """Ours, ``keep_last=1``, its buffers reserved first (``setup_s``); ``defer``: the copy beside the next
+    forward/backward, waited for before the optimizer step (as the front ends' ``pipeline=True``)."""
+
     def __init__(self, state: Any, root: str, defer: bool = False) -> None:
         self.ck, self.defer = Checkpointer(root, keep_last=1), defer
-        t = time.perf_counter()
-        self.ck.reserve(state)
-        self.setup_s = time.perf_counter() - t
+        self.setup_s = timed(lambda: self.ck.reserve(state))[0]
 
-    def save(self, state: Any, i: int) -> tuple[Callable[[], None] | None, Callable[[], dict]]:
-        h = self.ck.save(state, i, defer=self.defer)
-        return (h.wait_snapshot if self.defer else None), self._durable
+    def save(self, state: Any, step: int) -> Staged:
+        handle = self.ck.save(state, step, defer=self.defer)
+        return handle.wait_snapshot if self.defer else None
 
-    def _durable(self) -> dict:
+    def durable(self) -> dict[str, Any]:
         self.ck.wait()
         r = self.ck.records[-1]
         return {"write_s": r.persist_s, "commit_s": r.commit_s, "queue_s": r.snapshot_s,
                 "allocations": self.ck._pool.allocations, "setup_s": self.setup_s}
 
-    def after(self) -> None:
-        """Untimed: the deletion of the older checkpoint (keep_last=1) is not part of the save."""
+    def after(self) -> None:  # the deletion of the older checkpoint (keep_last=1) is not part of the save
         self.ck.wait(retention=True)
 
     def close(self) -> None:
         self.ck.close()
 
+    def schedule(self, policy: Policy) -> tuple[Callable[[int], bool], Callable[[int], None]]:  # as the front ends
+        self.policy, sched = policy, Schedule(policy, self.ck)
+        return sched.should_save, sched.saved
 
-class Dcp:
-    """DCP ``async_save``: ``pinned=None`` its default stager (a synchronous copy into pageable
-    memory); ``"fresh"`` a new pinned ``DefaultStager`` per save; ``"cached"`` one pinned stager whose
-    copies are reused across saves (:func:`_peers.dcp_stager`)."""
+    def run_figures(self) -> dict[str, Any]:  # the median stall as the checkpointer timed it
+        stalls = [r.stall_s for r in self.ck.records]
+        return {"stall_ms_median": 1e3 * statistics.median(stalls) if stalls else 0.0,
+                "waited_s": self.ck.counters["waited_s"], "skipped": self.ck.counters["skipped"],
+                "figures": self.policy.figures()}
+
+
+class Dcp(Contender):
+    """DCP ``async_save``, one checkpoint in flight: ``pinned=None`` its default stager (a synchronous copy
+    into pageable memory); ``"fresh"`` a new pinned ``DefaultStager`` per save; ``"cached"`` one pinned
+    stager whose copies are reused across saves (:func:`_peers.dcp_stager`)."""
 
     def __init__(self, state: Any, root: str, pinned: str | None) -> None:
-        self.root, self.pinned, self.stager, self.setup_s = root, pinned, None, 0.0
+        self.root, self.pinned, self.stager = root, pinned, None
         if pinned == "cached":
             self.stager = _peers.dcp_stager(pinned=True, keep_copies=True)
-            t = time.perf_counter()
             staged = self.stager.stage(state)  # pin and fill its copies now, as ours' reserve() does
             staged.result() if hasattr(staged, "result") else None
-            self.setup_s = time.perf_counter() - t
 
-    def save(self, state: Any, i: int) -> tuple[Callable[[], None] | None, Callable[[], dict]]:
+    def save(self, state: Any, step: int) -> Staged:
+        self.durable()  # the previous checkpoint first
         stager = _peers.dcp_stager(pinned=True) if self.pinned == "fresh" else self.stager
-        staged, upload = _peers.dcp_async(state, os.path.join(self.root, f"dcp-{i}"),
+        staged, upload = _peers.dcp_async(state, os.path.join(self.root, f"dcp-{step}"),
                                           **({"async_stager": stager} if stager is not None else {}))
-
-        def durable() -> dict:
-            upload()
-            if self.pinned == "fresh":
-                stager.close()
-            return {}
-
-        return staged, durable
+        self.pending = lambda: (upload(), stager.close() if self.pinned == "fresh" else None)
+        return staged
 
     def close(self) -> None:
+        self.durable()
         if self.stager is not None:
             _peers.close_stager(self.stager)
 
 
-class LightningAsync:
+class LightningAsync(Contender):
     """``AsyncCheckpointIO``, a new one per save (``_peers.LightningAsync``)."""
 
     def __init__(self, state: Any, root: str) -> None:
-        self.root, self.setup_s = root, 0.0
+        self.root = root
 
-    def save(self, state: Any, i: int) -> tuple[Callable[[], None] | None, Callable[[], dict]]:
-        io = _peers.LightningAsync(os.path.join(self.root, f"lightning-{i}.ckpt"))
+    def save(self, state: Any, step: int) -> Staged:
+        io = _peers.LightningAsync(os.path.join(self.root, f"lightning-{step}.ckpt"))
         io.save(state)
-        return None, lambda: (io.durable(), {})[1]
-
-    def close(self) -> None:
-        pass
+        self.pending = io.durable
+        return None
 
 
-def control(probe: GpuProbe) -> float:
-    """The probe's sequence with no save in it: its "delay" is the figure's own bias in this
-    repetition (the reference is a separate spin + workload run just before, and the GPU's clocks
-    move: ±3-5 ms per pair and a few ms of bias that changes between runs on an H200)."""
-    base_fwd, _ = probe.base()
-    tl, _ = probe.run(lambda: None)
-    return tl.workload_end() - base_fwd
+MAKERS: dict[str, Callable[[Any, str], Contender]] = {
+    "ours": Ours, "ours_defer": lambda s, r: Ours(s, r, defer=True), "dcp_async": lambda s, r: Dcp(s, r, None),
+    "dcp_async_pinned": lambda s, r: Dcp(s, r, "fresh"), "dcp_async_pinned_cached": lambda s, r: Dcp(s, r, "cached"),
+    "lightning_async": LightningAsync}
 
 
-def measure(make: Callable[[str], Any], state: Any, nbytes: int, workdir: str, probe: GpuProbe,
+def contenders(nbytes: int) -> list[str]:
+    """The contenders of a size, in order (DCP's pinned stagers with CUDA only); above 8 GiB (a 16 GiB write
+    costs ~10 s) one variant of ours, the slowest peer last."""
+    names = (["ours", "dcp_async_pinned_cached", "dcp_async_pinned", "dcp_async"] if nbytes > 8 * GiB
+             else ["ours", "ours_defer", "dcp_async", "dcp_async_pinned", "dcp_async_pinned_cached"])
+    return [n for n in names if CUDA or "pinned" not in n] + ["lightning_async"]
+
+
+def measure(make: Callable[[Any, str], Contender], state: Any, nbytes: int, workdir: str, probe: GpuProbe,
             reps: int) -> dict[str, Any]:
-    """``reps`` saves; each beside a control (:func:`control`), before it in odd repetitions and
+    """``reps`` saves; each beside a control (:meth:`GpuProbe.control`), before it in odd repetitions and
     after it in even ones, so that drift and order cancel in ``gpu_delay_net_s`` (delay − control
     of the same repetition). The first save is reported apart, the median of the others in the table."""
     root = os.path.join(workdir, "ckpt")
     shutil.rmtree(root, ignore_errors=True)
     os.makedirs(root)
-    c = make(root)
+    c = make(state, root)
     rows = []
     try:
         for i in range(reps):
-            ctrl = control(probe) if i % 2 else None
+            ctrl = probe.control() if i % 2 else None
             base_fwd, base_mut = probe.base()  # same clocks and heap as the save right after it
-
-            def between() -> tuple[float, float, Any]:
+            with probe.run() as tl:
                 t = time.perf_counter()
-                handles = c.save(state, i)
-                return t, time.perf_counter() - t, handles
-
-            tl, (t, stall, (ready, durable)) = probe.run(between)
+                ready = c.save(state, i)
+                stall = time.perf_counter() - t
             if ready is not None:
                 ready()
             mutable = time.perf_counter() - t if ready is not None else stall
             tl.mark()
-            extra = durable()
+            extra = c.durable()
             done = time.perf_counter() - t
             row = {"stall_s": stall, "mutable_s": mutable, "durable_s": done,
-                   "gpu_delay_s": tl.workload_end() - base_fwd,
-                   "gpu_delay_to_mutable_s": tl.mutable_end() - base_mut,
+                   "gpu_delay_s": tl.since(1) - base_fwd,
+                   "gpu_delay_to_mutable_s": tl.since(2) - base_mut,
                    "persist_gbps": gbps(nbytes, done - mutable), **extra}
-            if hasattr(c, "after"):
-                c.after()
-            row["gpu_delay_control_s"] = control(probe) if ctrl is None else ctrl
+            c.after()
+            row["gpu_delay_control_s"] = probe.control() if ctrl is None else ctrl
             row["gpu_delay_net_s"] = row["gpu_delay_s"] - row["gpu_delay_control_s"]
             rows.append(row)
             for name in os.listdir(root):  # keep at most the last checkpoint on disk (ours: keep_last=1)
@@ -323,31 +360,12 @@ def measure(make: Callable[[str], Any], state: Any, nbytes: int, workdir: str, p
                     shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
     finally:
         c.close()
-        c = None  # drop the reference before free_memory() (not del: closures above read it)
+        c = None  # drop the reference before free_memory()
         shutil.rmtree(root, ignore_errors=True)
         free_memory()
     steady = rows[1:] if len(rows) > 1 else rows
     out: dict[str, Any] = {k: statistics.median(r[k] for r in steady) for k in steady[0]}
     out["reps"], out["first"] = len(rows), rows[0]
-    return out
-
-
-def contenders(tiny: bool, nbytes: int) -> dict[str, Callable[[Any, str], Any]]:
-    out: dict[str, Callable[[Any, str], Any]] = {
-        "ours": lambda s, r: Ours(s, r),
-        "ours_defer": lambda s, r: Ours(s, r, defer=True),
-        "dcp_async": lambda s, r: Dcp(s, r, pinned=None),
-    }
-    if CUDA:
-        out["dcp_async_pinned"] = lambda s, r: Dcp(s, r, pinned="fresh")
-        out["dcp_async_pinned_cached"] = lambda s, r: Dcp(s, r, pinned="cached")
-    out["lightning_async"] = lambda s, r: LightningAsync(s, r)
-    if nbytes > 8 * GiB:  # a 16 GiB write costs ~10 s: one variant of ours, the slowest peer last
-        out.pop("ours_defer")
-        out["lightning_async"] = out.pop("lightning_async")
-        if "dcp_async_pinned" in out:
-            out = {k: out[k] for k in ("ours", "dcp_async_pinned_cached", "dcp_async_pinned", "dcp_async",
-                                       "lightning_async")}
     return out
 
 
@@ -364,31 +382,33 @@ def bench_size(size: float, args: argparse.Namespace, probe: GpuProbe, out: dict
     state = make_state(nbytes)
     nbytes = state_bytes(state)
     out.update(bytes=nbytes, tensors=len(encode(state).tensors), reps=reps)
-    enc_times = []
-    for _ in range(3):
-        t = time.perf_counter()
-        encode(state, "state")
-        enc_times.append(time.perf_counter() - t)
-    out["encode_s"] = min(enc_times)
+    out["encode_s"] = best_of(3, lambda: encode(state, "state"))
     out["contenders"] = {}
     log(f"{label(size)}: limits")
     out["limits"] = limits(nbytes, args.workdir, max(2, min(reps, 3)), buffered=nbytes <= 4 * GiB)
     log(f"  d2h {out['limits']['d2h_gbps']:.1f} GB/s, raw write {out['limits']['raw_write_gbps']:.2f} GB/s")
-    for name, make in contenders(args.tiny, nbytes).items():
-        if time.perf_counter() - T0 > args.budget_s:
-            out["contenders"][name] = {"skipped": "time budget"}
-            continue
-        try:
-            r = measure(lambda root: make(state, root), state, nbytes, args.workdir, probe, reps)
-        except Exception as e:  # noqa: BLE001 - one peer's failure (API drift) must not lose the rest
-            r = {"error": f"{type(e).__name__}: {e}", "where": traceback.format_exc(limit=-4)}
-            free_memory()
-        out["contenders"][name] = r
-        log(f"  {name}: " + ", ".join(f"{k}={v:.4g}" for k, v in r.items() if isinstance(v, float))
-            if "error" not in r else f"  {name}: {r['error']}")
+    for name in contenders(nbytes):
+        attempt(args, name, lambda: measure(MAKERS[name], state, nbytes, args.workdir, probe, reps), out["contenders"])
         dump()
     state = None  # drop the reference before free_memory() (not del: closures above read it)
     free_memory()
+
+
+def attempt(args: argparse.Namespace, name: str, run: Callable[[], dict[str, Any]], results: dict[str, Any],
+            always: bool = False) -> None:
+    """``results[name] = run()``; ``{"skipped": "time budget"}`` once ``--budget-s`` is spent (unless ``always``),
+    the error if it raised (one peer's failure, API drift, must not lose the rest); memory freed after."""
+    if time.perf_counter() - T0 > args.budget_s and not always:
+        results[name] = {"skipped": "time budget"}
+        return
+    try:
+        results[name] = run()
+    except Exception as e:  # noqa: BLE001
+        results[name] = {"error": f"{type(e).__name__}: {e}", "where": traceback.format_exc(limit=-4)}
+    free_memory()
+    r = results[name]
+    log(f"  {name}: " + (r["error"] if "error" in r else
+                         ", ".join(f"{k}={v:.4g}" for k, v in r.items() if isinstance(v, (int, float)))))
 
 
 def label(size_gib: float) -> str:
@@ -427,63 +447,34 @@ class Trainer:
         return (time.perf_counter() - t) / steps
 
 
-def train_ours(tr: Trainer, root: str, steps: int, policy: Any, defer: bool = False) -> dict[str, Any]:
-    """Ours driven by ``Schedule``; with ``defer`` as the front ends' ``pipeline=True`` does: the copy
-    runs beside the next forward/backward, ``wait_snapshot()`` just before the optimizer step."""
-    ck = Checkpointer(root, keep_last=1)
-    ck.reserve(tr.state())
-    sched = Schedule(policy, ck)
-    taken: list[int] = []
-    pending: list[Any] = []
+def train_with(tr: Trainer, make: Callable[[Any, str], Contender], root: str, steps: int,
+               policy: Policy) -> dict[str, Any]:
+    """``steps`` steps of ``tr`` with a contender saving when its :meth:`Contender.schedule` says; a save's
+    pending copy is waited for just before the optimizer step (the first write to the weights), the
+    drain at the end (the last checkpoint durable) is timed apart."""
+    c = make(tr.state(), root)
+    due, saved = c.schedule(policy)
+    pending: list[Callable[[], Any]] = []
+    stalls: list[float] = []
 
     def before_opt() -> None:
         while pending:
-            pending.pop().wait_snapshot()
+            pending.pop()()
 
     def after(step: int) -> None:
-        if sched.should_save(step):
-            handle = ck.save(tr.state(), step, defer=defer)
-            pending.extend([handle] if defer else [])
-            sched.saved(step)
-            taken.append(step)
+        if due(step):
+            t = time.perf_counter()
+            ready = c.save(tr.state(), step)
+            stalls.append(time.perf_counter() - t)
+            pending.extend([ready] if ready is not None else [])
+            saved(step)
 
     per_step = tr.loop(steps, before_opt=before_opt, after=after)
     t = time.perf_counter()
     before_opt()
-    ck.close()
-    stalls = [r.stall_s for r in ck.records]
-    return {"step_s": per_step, "checkpoints": len(taken), "drain_s": time.perf_counter() - t,
-            "stall_ms_median": 1e3 * statistics.median(stalls) if stalls else 0.0,
-            "waited_s": ck.counters["waited_s"], "skipped": ck.counters["skipped"], "figures": policy.figures()}
-
-
-def train_dcp(tr: Trainer, root: str, steps: int, every: int, pinned: str | None) -> dict[str, Any]:
-    c = Dcp(tr.state(), root, pinned)
-    pending: dict[str, Any] = {"staging": None, "durable": None}
-    stalls: list[float] = []
-
-    def before_opt() -> None:  # the first write to the weights waits for the staging copy
-        if pending["staging"] is not None:
-            pending["staging"]()
-            pending["staging"] = None
-
-    def after(step: int) -> None:
-        if step % every:
-            return
-        t = time.perf_counter()
-        if pending["durable"] is not None:  # one DCP checkpoint in flight at a time
-            pending["durable"]()
-        pending["staging"], pending["durable"] = c.save(tr.state(), step)
-        stalls.append(time.perf_counter() - t)
-
-    per_step = tr.loop(steps, before_opt=before_opt, after=after)
-    t = time.perf_counter()
-    before_opt()
-    if pending["durable"] is not None:
-        pending["durable"]()
     c.close()
     return {"step_s": per_step, "checkpoints": len(stalls), "drain_s": time.perf_counter() - t,
-            "stall_ms_median": 1e3 * statistics.median(stalls) if stalls else 0.0}
+            "stall_ms_median": 1e3 * statistics.median(stalls) if stalls else 0.0, **c.run_figures()}
 
 
 def bench_train(args: argparse.Namespace) -> dict[str, Any]:
@@ -504,40 +495,26 @@ def bench_train(args: argparse.Namespace) -> dict[str, Any]:
     log(f"train: {tr.params / 1e6:.1f}M params, {state_b / GiB:.2f} GiB of state, raw write "
         f"{raw['raw_write_s']:.2f} s ({raw['raw_write_gbps']:.2f} GB/s)")
     # Most telling first: a run that would start after the time budget is skipped (the end baseline never).
-    runs: list[tuple[str, Callable[[], dict[str, Any]]]] = [
-        ("baseline", lambda: {"step_s": tr.loop(n), "checkpoints": 0}),
-        ("ours_every_10", lambda: train_ours(tr, root, n, EveryNSteps(2 if args.tiny else 10))),
-        ("ours_defer_every_10", lambda: train_ours(tr, root, n, EveryNSteps(2 if args.tiny else 10), defer=True)),
-        ("dcp_async_every_10", lambda: train_dcp(tr, root, n, 2 if args.tiny else 10, pinned=None)),
-    ]
-    if CUDA:
-        runs.append(("dcp_async_pinned_cached_every_10", lambda: train_dcp(tr, root, n, 10, pinned="cached")))
-        runs.append(("dcp_async_pinned_every_10", lambda: train_dcp(tr, root, n, 10, pinned="fresh")))
-    runs += [
-        ("ours_budget_3.5%", lambda: train_ours(tr, root, 2 * n if args.tiny else 120,
-                                                CheckpointConfig(dirpath=root, overhead_budget=0.035).policy())),
-        ("ours_every_1", lambda: train_ours(tr, root, max(4, n // 3), EveryNSteps(1))),
-        ("baseline_end", lambda: {"step_s": tr.loop(n), "checkpoints": 0}),
-    ]
-    for name, fn in runs:
-        if time.perf_counter() - T0 > args.budget_s and name != "baseline_end":
-            out["runs"][name] = {"skipped": "time budget"}
-            continue
+    # Each run: (name, contender, steps, policy); no contender: the baseline.
+    every = EveryNSteps(2 if args.tiny else 10)
+    peers = ["ours", "ours_defer", "dcp_async"] + (["dcp_async_pinned_cached", "dcp_async_pinned"] if CUDA else [])
+    runs: list[tuple[str, Any, int, Any]] = [
+        ("baseline", None, n, None), *((f"{name}_every_10", MAKERS[name], n, every) for name in peers),
+        ("ours_budget_3.5%", Ours, 2 * n if args.tiny else 120,
+         CheckpointConfig(dirpath=root, overhead_budget=0.035).policy()),
+        ("ours_every_1", Ours, max(4, n // 3), EveryNSteps(1)), ("baseline_end", None, n, None)]
+    for name, make, steps, policy in runs:
         shutil.rmtree(root, ignore_errors=True)
-        try:
-            out["runs"][name] = fn()
-        except Exception as e:  # noqa: BLE001
-            out["runs"][name] = {"error": f"{type(e).__name__}: {e}", "where": traceback.format_exc(limit=-4)}
+        attempt(args, name, lambda: {"step_s": tr.loop(steps), "checkpoints": 0} if make is None
+                else train_with(tr, make, root, steps, policy), out["runs"], always=name == "baseline_end")
         shutil.rmtree(root, ignore_errors=True)
-        free_memory()
-        log(f"  {name}: {out['runs'][name]}")
     base = [out["runs"][k]["step_s"] for k in ("baseline", "baseline_end") if "step_s" in out["runs"][k]]
     out["baseline_step_s"] = statistics.fmean(base)
     out["disk_interval_steps"] = max(1, math.ceil(out["raw_write_s"] / out["baseline_step_s"]))
     for r in out["runs"].values():
         if "step_s" in r:
             r["overhead"] = r["step_s"] / out["baseline_step_s"] - 1
-    tr = None  # drop the reference before free_memory() (not del: closures above read it)
+    tr = None  # drop the reference before free_memory()
     free_memory()
     return out
 
@@ -547,48 +524,49 @@ def _f(v: Any, scale: float = 1.0, fmt: str = ".3g") -> str:
     return "-" if not isinstance(v, (int, float)) or v != v else format(v * scale, fmt)
 
 
+SIZE_COLUMNS = ["size", "contender", "stall ms", "stall − encode ms", "mutable ms", "GPU delay, next fwd/bwd ms",
+                "control (no save) ms", "(delay − control) ÷ D2H", "GPU delay, next optimizer step ms", "durable s",
+                "persist GB/s", "persist ÷ raw"]
+TRAIN_COLUMNS = ["run", "checkpoints", "ms/step", "overhead", "median stall ms", "notes"]
+
+
 def markdown(res: dict[str, Any]) -> str:
-    m = res["meta"]
-    lines = [f"Device: {m['device']}; torch {m['torch']}; {m['date']}; workdir {m['workdir']} ({m['fstype']})", "",
-             "| size | contender | stall ms | stall − encode ms | mutable ms | GPU delay, next fwd/bwd ms "
-             "| control (no save) ms | (delay − control) ÷ D2H | GPU delay, next optimizer step ms | durable s "
-             "| persist GB/s | persist ÷ raw |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    """The report of a run's results (also of older runs': ``report.py`` renders them)."""
+    m, rows = res["meta"], []
     for key, s in res["sizes"].items():
-        size = label(float(key))
-        if "skipped" in s or "limits" not in s:
-            lines.append(f"| {size} | skipped: {s.get('skipped', 'unfinished')} |||||||||||")
+        size, lim = label(float(key)), s.get("limits")
+        if "skipped" in s or lim is None:
+            rows.append([size, f"skipped: {s.get('skipped', 'unfinished')}"] + [""] * 10)
             continue
-        lim = s["limits"]
-        lines.append(f"| {size} | limit: D2H `copy_` into pinned {_f(lim['d2h_s'], 1e3)} ms "
-                     f"({_f(lim['d2h_gbps'])} GB/s); raw write of it | | | | | | | | "
-                     f"{_f(lim['raw_write_s'])} | {_f(lim['raw_write_gbps'])} | 1 |")
+        rows.append([size, f"limit: D2H `copy_` into pinned {_f(lim['d2h_s'], 1e3)} ms ({_f(lim['d2h_gbps'])} GB/s);"
+                     " raw write of it", *[""] * 7, _f(lim["raw_write_s"]), _f(lim["raw_write_gbps"]), 1])
         for name, r in s["contenders"].items():
             if "stall_s" not in r:
-                lines.append(f"| {size} | {name}: {r.get('error') or r.get('skipped')} |||||||||||")
+                rows.append([size, f"{name}: {r.get('error') or r.get('skipped')}"] + [""] * 10)
                 continue
-            lines.append(
-                f"| {size} | {name} | {_f(r['stall_s'], 1e3)} | {_f(r['stall_s'] - s['encode_s'], 1e3)} "
-                f"| {_f(r['mutable_s'], 1e3)} | {_f(r['gpu_delay_s'], 1e3)} | {_f(r.get('gpu_delay_control_s'), 1e3)} "
-                f"| {_net(r, lim['d2h_s'])} "
-                f"| {_f(r['gpu_delay_to_mutable_s'], 1e3)} "
-                f"| {_f(r['durable_s'])} | {_f(r['persist_gbps'])} | {_f(r['persist_gbps'] / lim['raw_write_gbps'])} |")
+            ms = [_f(v, 1e3) for v in (r["stall_s"], r["stall_s"] - s["encode_s"], r["mutable_s"], r["gpu_delay_s"],
+                                       r.get("gpu_delay_control_s"))]
+            rows.append([size, name, *ms, _net(r, lim["d2h_s"]), _f(r["gpu_delay_to_mutable_s"], 1e3),
+                         _f(r["durable_s"]), _f(r["persist_gbps"]), _f(r["persist_gbps"] / lim["raw_write_gbps"])])
+    lines = [f"Device: {m['device']}; torch {m['torch']}; {m['date']}; workdir {m['workdir']} ({m['fstype']})", "",
+             *table(SIZE_COLUMNS, rows)]
     t = res.get("train")
     if t:
         lines += ["", f"Training: GPT-2-small-sized model, {t['params'] / 1e6:.1f}M parameters, "
                   f"{t['state_bytes'] / GiB:.2f} GiB checkpointed per save; baseline {_f(t['baseline_step_s'], 1e3)} "
                   f"ms/step; a raw write+fsync of the state takes {_f(t['raw_write_s'])} s, so the disk allows a "
                   f"checkpoint every {t['disk_interval_steps']} steps at least (shorter intervals wait for it)",
-                  "", "| run | checkpoints | ms/step | overhead | median stall ms | notes |",
-                  "|---|---|---|---|---|---|"]
+                  "", *table(TRAIN_COLUMNS, [])]
         for name, r in t["runs"].items():
             if "step_s" not in r:
-                lines.append(f"| {name} | {r.get('error') or r.get('skipped')} |||||")
-                continue
-            notes = ", ".join(f"{k}={_f(v)}" for k, v in r.items()
-                              if k in ("waited_s", "skipped", "drain_s")) + _figs(r.get("figures"))
-            lines.append(f"| {name} | {r['checkpoints']} | {_f(r['step_s'], 1e3)} | {_f(r['overhead'], 100, '.1f')} % "
-                         f"| {_f(r.get('stall_ms_median'))} | {notes} |")
+                cells, notes = [name, r.get("error") or r.get("skipped"), "", "", ""], ""
+            else:
+                cells = [name, r["checkpoints"], _f(r["step_s"], 1e3), f"{_f(r['overhead'], 100, '.1f')} %",
+                         _f(r.get("stall_ms_median"))]
+                notes = ", ".join([*(f"{k}={_f(v)}" for k, v in r.items() if k in ("waited_s", "skipped", "drain_s")),
+                                   *(f"{k}={_f(v)}" for k, v in (r.get("figures") or {}).items()
+                                     if k in ("interval_steps", "measured_overhead"))])
+            lines.append(f"{md_row(cells)} {notes} |")  # an empty note as "|  |", as published runs show it
     return "\n".join(lines) + "\n"
 
 
@@ -598,35 +576,24 @@ def _net(r: dict[str, Any], d2h_s: float) -> str:
     return _f(net / d2h_s) if net is not None else f"{_f(r['gpu_delay_s'] / d2h_s)} (no control)"
 
 
-def _figs(figs: Any) -> str:
-    if not figs:
-        return ""
-    return ", " + ", ".join(f"{k}={_f(v)}" for k, v in figs.items() if k in ("interval_steps", "measured_overhead"))
-
-
-def pick_workdir(explicit: str | None) -> tuple[str, str]:
-    """A directory on a real disk (not tmpfs: its writes would be memcpy), with the most free space."""
-    mounts = []
+def fstype(path: str) -> str:
+    """The filesystem type of the mount ``path`` lies on (``/proc/mounts``)."""
     with open("/proc/mounts") as f:
-        for line in f:
-            parts = line.split()
-            mounts.append((parts[1], parts[2]))
+        mounts = [line.split()[1:3] for line in f]
+    path = os.path.realpath(path)
+    return max((m for m in mounts if path == m[0] or path.startswith(m[0].rstrip("/") + "/")),
+               key=lambda m: len(m[0]), default=("/", "?"))[1]
 
-    def fstype(path: str) -> str:
-        path = os.path.realpath(path)
-        best = max((m for m in mounts if path == m[0] or path.startswith(m[0].rstrip("/") + "/")),
-                   key=lambda m: len(m[0]), default=("/", "?"))
-        return best[1]
 
-    if explicit:
-        os.makedirs(explicit, exist_ok=True)
-        return explicit, fstype(explicit)
-    cands = [d for d in ("/var/tmp", "/tmp", os.getcwd()) if os.path.isdir(d)]
-    disk = [d for d in cands if fstype(d) not in ("tmpfs", "ramfs", "overlay")] or cands
-    best = max(disk, key=lambda d: shutil.disk_usage(d).free)
-    path = os.path.join(best, "bench_gpu_work")
-    os.makedirs(path, exist_ok=True)
-    return path, fstype(path)
+def pick_workdir(explicit: str | None) -> str:
+    """``explicit``, else ``bench_gpu_work`` in the directory with the most free space on a real disk (not
+    tmpfs: its writes would be memcpy)."""
+    if not explicit:
+        cands = [d for d in ("/var/tmp", "/tmp", os.getcwd()) if os.path.isdir(d)]
+        disk = [d for d in cands if fstype(d) not in ("tmpfs", "ramfs", "overlay")] or cands
+        explicit = os.path.join(max(disk, key=lambda d: shutil.disk_usage(d).free), "bench_gpu_work")
+    os.makedirs(explicit, exist_ok=True)
+    return explicit
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -642,13 +609,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     if args.tiny:
         args.sizes_gib = [4 / 1024]
-    args.workdir, fstype = pick_workdir(args.workdir)
+    args.workdir = pick_workdir(args.workdir)
     os.makedirs(args.out, exist_ok=True)
     res: dict[str, Any] = {"meta": {
         "device": torch.cuda.get_device_name() if CUDA else "cpu", "torch": torch.__version__,
         "cuda": torch.version.cuda, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "workdir": args.workdir, "fstype": fstype, "disk_free_gib": shutil.disk_usage(args.workdir).free / GiB,
-        "cpus": os.cpu_count(), "tiny": args.tiny, "argv": sys.argv[1:]}, "sizes": {}}
+        "workdir": args.workdir, "fstype": fstype(args.workdir),
+        "disk_free_gib": shutil.disk_usage(args.workdir).free / GiB, "cpus": os.cpu_count(), "tiny": args.tiny,
+        "argv": sys.argv[1:]}, "sizes": {}}
     log(f"{res['meta']}")
     probe = GpuProbe(args.tiny)
     res["meta"].update(workload_s=probe.workload_s, spin_plus_workload_s=probe.base_s)
