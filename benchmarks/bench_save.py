@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import importlib
+import itertools
 import os
 import resource
 import shutil
@@ -277,21 +278,23 @@ def replicated_restores(ctx: RankCtx, ck: Any) -> dict[str, Metrics]:
     return {"ours": {**ours, **(bench_routes(ctx) if ctx.world > 1 else {})}, "paired": paired}
 
 
-def paired_stalls(saves: list[Metrics]) -> Metrics:
-    """Each save's stall ÷ the mean of the copies timed right before and right after it, over saves 2..N:
-    the median (the target); informative, the medians against each side alone and of the copy inside
-    the save alone (``snapshot_s``) against the mean. Pure."""
+def stall_pairs(saves: list[Metrics]) -> dict[str, list[float]]:
+    """Per save 2..N, its stall ÷ the mean of the copies timed right before and right after it (``stall``)
+    and ÷ each alone (``before``, ``after``); the copy inside the save alone ÷ that mean (``snapshot``). Pure."""
     steady = saves[1:] or saves
+    means = [(s["copy_before_s"] + s["copy_after_s"]) / 2 for s in steady]
+    return {"stall": [s["stall_s"] / m for s, m in zip(steady, means)],
+            "snapshot": [s["snapshot_s"] / m for s, m in zip(steady, means)],
+            "before": [s["stall_s"] / s["copy_before_s"] for s in steady],
+            "after": [s["stall_s"] / s["copy_after_s"] for s in steady]}
 
-    def median_vs(limit: Callable[[Metrics], float], key: str = "stall_s") -> float:
-        return statistics.median(s[key] / limit(s) for s in steady)
 
-    def mean(s: Metrics) -> float:
-        return (s["copy_before_s"] + s["copy_after_s"]) / 2
-
-    return {"stall_vs_copy_median": median_vs(mean), "snapshot_vs_copy_median": median_vs(mean, "snapshot_s"),
-            "stall_vs_copy_median_before": median_vs(lambda s: s["copy_before_s"]),
-            "stall_vs_copy_median_after": median_vs(lambda s: s["copy_after_s"]), "pairs": float(len(steady))}
+def paired_stalls(saves: list[Metrics]) -> Metrics:
+    """The medians of :func:`stall_pairs`: ``stall`` is the target, the others informative. Pure."""
+    median = {k: statistics.median(v) for k, v in stall_pairs(saves).items()}
+    return {"stall_vs_copy_median": median["stall"], "snapshot_vs_copy_median": median["snapshot"],
+            "stall_vs_copy_median_before": median["before"], "stall_vs_copy_median_after": median["after"],
+            "pairs": float(len(saves[1:] or saves))}
 
 
 def cold_and_warm_loads(ctx: RankCtx, paths: list[str], load: Callable[[], Any]) -> Metrics:
@@ -437,13 +440,11 @@ def world_rows(world: int, agg: Agg) -> list[Row]:
         ("stall", "stall_s", lambda m: m["stall_s"] * 1e3), ("total", "total_s", lambda m: m["total_s"]),
         ("gbps", "total_s", lambda m: gbps(total // world, m["total_s"])),
         ("mem", "mem_extra_bytes", lambda m: m["mem_extra_bytes"] / MiB))}
-    copies = [("memcpy of share, 1 thread", agg["memcpy"]["stall_s"] * 1e3)]
-    if "memcpy_threads" in agg:  # the same bytes split over the rank's cores
-        n = int(agg["memcpy_threads"]["threads"])
-        copies.append((f"memcpy of share, {n} thread{'s' if n > 1 else ''}", agg["memcpy_threads"]["stall_s"] * 1e3))
-    memcpy = min(copies, key=lambda c: c[1])
-    kinds = [("raw write+fsync", agg["raw_write"])] + (
-        [("raw O_DIRECT write+fsync", agg["raw_write_direct"])] if "raw_write_direct" in agg else [])
+    n = int(agg["memcpy_threads"]["threads"])  # the same bytes split over the rank's cores
+    memcpy = min([("memcpy of share, 1 thread", agg["memcpy"]["stall_s"] * 1e3), (
+        f"memcpy of share, {n} thread{'s' if n > 1 else ''}", agg["memcpy_threads"]["stall_s"] * 1e3)],
+                 key=lambda c: c[1])
+    kinds = [("raw write+fsync", agg["raw_write"]), ("raw O_DIRECT write+fsync", agg["raw_write_direct"])]
     raw_name, raw_w = min(kinds, key=lambda k: k[1]["total_s"])
     first_name, raw_first = min(kinds, key=lambda k: k[1]["total_first_s"])
     return [
@@ -454,7 +455,7 @@ def world_rows(world: int, agg: Agg) -> list[Row]:
         _row(w, "time to committed, first save", "s", ours["total_first_s"],
              (f"{first_name}, first", raw_first["total_first_s"])),
         _row(w, "persist throughput of rank share (after the stall)", "GB/s",
-             gbps(share, ours.get("after_stall_s", ours["total_s"])),
+             gbps(share, ours["after_stall_s"]),
              (raw_name, gbps(raw_w["bytes"], raw_w["total_s"])),
              peers["gbps"], False, INFO if persist_ratio is not None else AT_LEAST_090),
         *paired_persist_rows(w, persist_ratio),
@@ -468,9 +469,7 @@ def world_rows(world: int, agg: Agg) -> list[Row]:
 def paired_stall(w: str, agg: Agg) -> list[Row]:
     """The stall target: the median over saves 2..N of each stall ÷ the mean of the threaded copies timed
     right before and right after it (slowest rank), with each side's median and the copy alone beside it."""
-    paired = agg.get("paired")
-    if paired is None:
-        return []
+    paired = agg["paired"]
     n = int(paired["pairs"])
     alone = f"alone ({n} save{'s' if n != 1 else ''})"
     return [_row(w, "stall ÷ copy on the rank's cores on both sides of it (their mean, median of saves 2..N)", "×",
@@ -487,12 +486,13 @@ def persist_ratios(agg: Agg) -> list[float]:
     """The persist target's pairs: per round 2..N, the faster raw write + fsync of the round (buffered or
     ``O_DIRECT``) ÷ our time after the stall in that round; empty without per-round figures. Pure."""
     ours, buffered, direct = agg["ours"], agg.get("raw_write", {}), agg.get("raw_write_direct", {})
-    out, i = [], 2
-    while f"rep{i}_after_stall_s" in ours:
-        if f"rep{i}_s" in buffered and f"rep{i}_s" in direct:
-            out.append(min(buffered[f"rep{i}_s"], direct[f"rep{i}_s"]) / ours[f"rep{i}_after_stall_s"])
-        i += 1
-    return out
+    return [min(buffered[f"rep{i}_s"], direct[f"rep{i}_s"]) / ours[f"rep{i}_after_stall_s"]
+            for i in counted(ours, "rep{}_after_stall_s", 2) if f"rep{i}_s" in buffered and f"rep{i}_s" in direct]
+
+
+def counted(m: Metrics, key: str, start: int) -> list[int]:
+    """The numbers ``i`` from ``start`` on for which ``key.format(i)`` is in ``m``, up to the first missing."""
+    return list(itertools.takewhile(lambda i: key.format(i) in m, itertools.count(start)))
 
 
 def paired_persist(agg: Agg) -> float | None:
@@ -511,29 +511,21 @@ def restore_rows(w: str, agg: Agg, total: int) -> list[Row]:
     """``load()`` cold and warm: against the raw read into fresh memory (paired by round: the target;
     best of rounds: informative), the verified raw read and ``torch.load``; with several ranks, the
     collective ``restore()`` by each route."""
-    ours, raw_r, paired, rows = agg["ours"], agg["raw_read"], agg.get("paired", {}), []
+    ours, raw_r, paired, rows = agg["ours"], agg["raw_read"], agg["paired"], []
     for cache, key, raw_key in (("cold", "load_s", "load_fresh_s"), ("warm", "load_warm_s", "load_fresh_warm_s")):
-        if key not in ours or raw_key not in raw_r:
-            continue
         peers = {f"{LOAD_PEERS[p]} ({cache})": gbps(total, agg[p][key]) for p in LOAD_PEERS if key in agg[p]}
-        ratio = paired.get(f"restore_vs_raw_{cache}_median")
-        rows.append(_row(w, f"restore throughput, {cache} page cache (best of rounds)", "GB/s", gbps(total, ours[key]),
-                         (f"raw read into fresh buffer ({cache})", gbps(raw_r["bytes"], raw_r[raw_key])), peers,
-                         False, INFO if ratio is not None else AT_LEAST_090))
-        if ratio is not None:
-            rows.append(_row(w, f"restore ÷ raw read into fresh memory just before or after it, {cache} (median of "
-                                "rounds)", "×", 1 / ratio, SAME, None, False, AT_LEAST_090))
-        cap, verified = paired.get(f"verified_vs_raw_{cache}_median"), paired.get(f"restore_vs_verified_{cache}_median")
-        if cap is not None and verified is not None:
-            rows += [_row(w, f"raw read + xxh3 of every MiB ÷ raw read, {cache}: the most a verified restore reaches "
-                             "(median of rounds)", "×", 1 / cap, SAME, None, False),
-                     _row(w, f"restore ÷ raw read + xxh3 of every MiB, {cache} (median of rounds)", "×", 1 / verified,
-                          SAME, None, False)]
-        rows.append(_row(w, f"restore throughput ÷ torch.load, {cache}", "GB/s", gbps(total, ours[key]),
-                         (f"torch.load ({cache})", gbps(total, agg["torch_save"][key])), peers, False,
-                         ("≥ 1.00 × torch.load", lambda o, lim: o >= lim)))
-    rows.append(_row(w, "restore throughput vs raw read into a warm buffer", "GB/s",
-                     gbps(total, ours.get("load_warm_s", ours["load_s"])),
+        rows += [_row(w, f"restore throughput, {cache} page cache (best of rounds)", "GB/s", gbps(total, ours[key]),
+                      (f"raw read into fresh buffer ({cache})", gbps(raw_r["bytes"], raw_r[raw_key])), peers, False),
+                 _row(w, f"restore ÷ raw read into fresh memory just before or after it, {cache} (median of rounds)",
+                      "×", 1 / paired[f"restore_vs_raw_{cache}_median"], SAME, None, False, AT_LEAST_090),
+                 _row(w, f"raw read + xxh3 of every MiB ÷ raw read, {cache}: the most a verified restore reaches "
+                         "(median of rounds)", "×", 1 / paired[f"verified_vs_raw_{cache}_median"], SAME, None, False),
+                 _row(w, f"restore ÷ raw read + xxh3 of every MiB, {cache} (median of rounds)", "×",
+                      1 / paired[f"restore_vs_verified_{cache}_median"], SAME, None, False),
+                 _row(w, f"restore throughput ÷ torch.load, {cache}", "GB/s", gbps(total, ours[key]),
+                      (f"torch.load ({cache})", gbps(total, agg["torch_save"][key])), peers, False,
+                      ("≥ 1.00 × torch.load", lambda o, lim: o >= lim))]
+    rows.append(_row(w, "restore throughput vs raw read into a warm buffer", "GB/s", gbps(total, ours["load_warm_s"]),
                      ("raw read (page cache, warm buffer)", gbps(raw_r["bytes"], raw_r["load_s"])), None, False))
     if "restore_exchange_s" in ours:
         chose = "exchange" if ours.get("auto_exchanged") else "read"
@@ -546,7 +538,7 @@ def restore_rows(w: str, agg: Agg, total: int) -> list[Row]:
 
 def fastest_copy(agg: Agg) -> float:
     """Seconds of the rank's fastest copy of its share: one ``memmove``, or split over its cores."""
-    return min(agg[k]["stall_s"] for k in ("memcpy", "memcpy_threads") if k in agg)
+    return min(agg["memcpy"]["stall_s"], agg["memcpy_threads"]["stall_s"])
 
 
 def scaling_row(one: Agg, two: Agg) -> Row:
@@ -571,9 +563,8 @@ def markdown(rows: list[Row], worlds: dict[int, dict[str, Any]], config: dict[st
     for w, res in worlds.items():
         for name in ORDER:
             m = res["slowest"].get(name, {})
-            cells.append([w, name, num(m["stall_s"] * 1e3 if "stall_s" in m else None), num(m.get("total_s")),
-                          num(m.get("load_s")), num(m.get("load_warm_s")),
-                          num(m["mem_extra_bytes"] / MiB if "mem_extra_bytes" in m else None),
+            cells.append([w, name, *figure_cells(m, {"stall_s": 1e3, "total_s": 1, "load_s": 1, "load_warm_s": 1,
+                                                 "mem_extra_bytes": 1 / MiB}),
                           {1.0: "yes", 0.0: "NO"}.get(m.get("load_ok", -1), "-")])
             if "load_fresh_s" in m:
                 cells.append([w, f"{name} (into fresh buffer)", "-", "-", num(m["load_fresh_s"]),
@@ -583,6 +574,11 @@ def markdown(rows: list[Row], worlds: dict[int, dict[str, Any]], config: dict[st
     lines += table(["ranks", "contender", "stall ms", "to durable s", "restore s (cold)", "restore s (warm)",
                     "extra RSS MiB", "restore bit-exact"], cells)
     return "\n".join(lines) + "\n"
+
+
+def figure_cells(m: Metrics, columns: dict[str, float]) -> list[str]:
+    """The cells of ``m``'s figures ``columns`` (key → the factor of its unit); ``-`` for one it lacks."""
+    return [num(None if m.get(k) is None else m[k] * f) for k, f in columns.items()]
 
 
 def _finite(x: float) -> float | None:

@@ -30,11 +30,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _peers  # noqa: E402
 from _common import (CpuLoad, MemProbe, Metrics, MiB, RankCtx, best_rounds, num, numbered,  # noqa: E402
                      set_page_cache, state_bytes, table, tensors_of, timed, verdict, write_report)
-from bench_save import Kind, driver_parser, rotating, run_rank, run_worlds, start_rank  # noqa: E402
+from bench_save import (MEM_SLACK_MIB, Kind, driver_parser, figure_cells, rotating, run_rank,  # noqa: E402
+                        run_worlds, start_rank)
 
 PEERS = _peers.SHARDED
-MEM_SLACK_MIB = 4
-"""Allowance over the rank's share for interpreter and metadata noise (as in bench_save)."""
 
 
 # ---- the model and its sharded state -----------------------------------------------------------------
@@ -205,21 +204,18 @@ def markdown(rows: list[dict[str, Any]], worlds: dict[int, dict[str, Any]], conf
     cells = []
     for w, res in worlds.items():
         for name in ("memcpy", "raw_write_direct", "ours", *PEERS):
-            m = res["slowest"].get(name)
-            if m is not None:
-                call, mem = m.get("stall_s"), m.get("mem_extra_bytes")
-                mutable = m.get("mutable_s", call)
-                cells.append([w, PEERS[name].label if name in PEERS else name,
-                              num(call * 1e3 if call is not None else None),
-                              num(mutable * 1e3 if mutable is not None else None), num(m.get("total_s")),
-                              num(mem / MiB if mem is not None else None)])
+            if name in res["slowest"]:
+                m = {"mutable_s": res["slowest"][name].get("stall_s"), **res["slowest"][name]}
+                cells.append([w, PEERS[name].label if name in PEERS else name, *figure_cells(
+                    m, {"stall_s": 1e3, "mutable_s": 1e3, "total_s": 1, "mem_extra_bytes": 1 / MiB})])
     lines += [*table(["ranks", "contender", "call ms", "until mutable ms", "to durable s", "extra RSS MiB"], cells), ""]
     restores = []
     for w, res in worlds.items():
         for name, what in (("restore_ours", "ours `restore(into=state)`"), ("restore_dcp", "DCP `load`")):
             m = res["slowest"][name]
-            restores.append([w, what, num(m["load_s"]), num(m["read_s"]), num(m["set_state_s"]),
-                             num(m["load_mem_extra_bytes"] / MiB), "yes" if m["load_ok"] == 1.0 else "NO"])
+            restores.append([w, what, *figure_cells(m, {"load_s": 1, "read_s": 1, "set_state_s": 1,
+                                                     "load_mem_extra_bytes": 1 / MiB}),
+                             "yes" if m["load_ok"] == 1.0 else "NO"])
     lines += table(["ranks", "restore", "total s", "read s", "set_state_dict s", "extra RSS MiB", "bit-exact"],
                    restores)
     return "\n".join(lines) + "\n"
