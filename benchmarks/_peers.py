@@ -13,7 +13,7 @@ import importlib
 import importlib.util
 import inspect
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
@@ -177,7 +177,7 @@ REPLICATED: dict[str, Peer] = {
     "torch_save": Peer("torch.save", lambda ctx, path: synchronous(lambda: torch_save(ctx.state, path)),
                        lambda state, path: torch.load(path, weights_only=True), rank0=True),
     "lightning": Peer("Lightning AsyncCheckpointIO", lightning_async_round, rank0=True),
-    "dcp_save": Peer(DCP_SAVE.label, DCP_SAVE.save, dcp_load), "dcp_async": DCP_ASYNC}
+    "dcp_save": replace(DCP_SAVE, load=dcp_load), "dcp_async": DCP_ASYNC}
 """bench_save's peers: each on a replicated state, ``torch.save`` and Lightning on rank 0 as under DDP."""
 SHARDED: dict[str, Peer] = {
     "lightning": Peer("Lightning ModelParallelStrategy save (its calls)", lightning_sharded_round),

@@ -32,7 +32,7 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import partial
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterable, TypeVar
 from unittest import mock
 
 import torch
@@ -190,7 +190,7 @@ def start_rank(rank: int, world: int, port: int) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
-def run_rank(ctx: RankCtx, kind: Kind, stages: list[Callable[[], dict[str, Metrics]]], peers: Any,
+def run_rank(ctx: RankCtx, kind: Kind, stages: list[Callable[[], dict[str, Metrics]]], peers: Iterable[str],
              **state: Any) -> None:
     """Ours, then ``stages``, then each of ``peers`` in turn; every figure to ``rank-<r>.json`` with the
     ``state``'s figures."""
