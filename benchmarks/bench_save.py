@@ -2,7 +2,9 @@
 
 What it measures, against which limits, peers and targets: ``benchmarks/README.md``, section bench_save.
 Every rank is one process holding the full state (gloo on loopback for 2 ranks), with
-``torch.set_num_threads(cores ÷ ranks)``; the slowest rank's figures are the job's.
+``torch.set_num_threads(cores ÷ ranks)``; the slowest rank's figures are the job's. The save driver here
+(:func:`bench_ours`, :func:`bench_peer`, :func:`run_rank`, :func:`run_worlds`) also measures
+``bench_sharded``'s state: a :class:`Kind` says which.
 
 Usage::
 
@@ -13,8 +15,10 @@ Usage::
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import importlib
+import itertools
 import os
 import resource
 import shutil
@@ -27,23 +31,25 @@ import uuid
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from functools import partial
+from typing import Any, Callable, Iterable, TypeVar
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _peers  # noqa: E402
-from _common import (HERE, MemProbe, Metrics, MiB, RankCtx, RawWriter, StateSpec, best_of, byte_view,  # noqa: E402
-                     gbps, make_state, num, numbered, peer_rounds, read_into, run_stages, set_page_cache,
-                     parser, share_slices, slowest, spawn_ranks, state_bytes, states_equal, steady_figures,
-                     synchronous, table, timed, timed_save, verdict, write_report)
+from _common import (HERE, MemProbe, Metrics, MiB, RankCtx, RawWriter, StateSpec, best_of, best_rounds,  # noqa: E402
+                     byte_view, gbps, make_state, num, numbered, parser, peer_rounds, read_into, run_stages,
+                     set_page_cache, share_slices, slowest, spawn_ranks, state_bytes, states_equal, steady_figures,
+                     table, timed, timed_save, verdict, write_report)
 from ckpt_engine.host import hugepages  # noqa: E402
 
+T = TypeVar("T")
 KEEP_LAST = 1
 """Checkpoints ours keeps, and raw files the raw writes keep (see ``RawWriter``)."""
-PEERS = {"torch_save": "torch.save", "lightning": "Lightning AsyncCheckpointIO",
-         "dcp_save": "DCP save", "dcp_async": "DCP async_save"}
+PEERS = _peers.REPLICATED
 ORDER = ("memcpy", "memcpy_threads", "raw_write", "raw_write_direct", "raw_read", "ours", *PEERS)
 LOAD_PEERS = {"torch_save": "torch.load", "dcp_save": "DCP load"}
 MEM_SLACK_MIB = 4
@@ -51,31 +57,31 @@ MEM_SLACK_MIB = 4
 Agg = dict[str, dict[str, float]]
 
 
+# ---- the save driver: ours beside its limits, then the peers, on a replicated or a sharded state ------
 @dataclass(frozen=True)
-class Config:
-    """Command-line settings, passed to every rank process."""
+class Kind:
+    """A state the save driver measures. ``spans(ctx)``: the rank's bytes, (address, bytes) each;
+    ``bracket``: the copy limit on the rank's cores is timed right before and right after each save (else
+    a save pairs with the one-thread memcpy of its round); ``writers``: the raw writes + fsync of the
+    rank's bytes, name → ``O_DIRECT``; ``figures(record, stall, total)``: a save's figures beside its stall
+    and total; ``restores(ctx, ck)``: restores from ours after the rounds, figures per contender."""
 
-    size_mib: int
-    out: str
-    dir: str
-    reps: int
-    peer_reps: int
-    worlds: tuple[int, ...]
-    keep: bool
-    levels_mib: int = 64
-    levels_reps: int = 6
+    spans: Callable[[RankCtx], list[tuple[int, int]]]
+    peers: dict[str, _peers.Peer]
+    bracket: bool
+    writers: dict[str, bool]
+    figures: Callable[[Any, float, float], Metrics]
+    restores: Callable[[RankCtx, Any], dict[str, Metrics]] | None = None
 
 
-# ---- physical limits ---------------------------------------------------------------------------------
-def gather_share(ctx: RankCtx) -> tuple[torch.Tensor, Callable[[], None], Callable[[], None]]:
-    """A warm buffer of the rank's share, the single-threaded copy that fills it, and the same copy split
-    over this rank's cores (``ctypes.memmove`` releases the GIL), each thread about equal bytes."""
-    slices = share_slices(ctx.state, ctx.rank, ctx.world)
-    buf = torch.zeros(sum(n for _, n in slices), dtype=torch.uint8)
+def gather_share(spans: list[tuple[int, int]]) -> tuple[torch.Tensor, Callable[[], None], Callable[[], None]]:
+    """A warm buffer of the rank's bytes ``spans``, the single-threaded copy that fills it, and the same copy
+    split over this rank's cores (``ctypes.memmove`` releases the GIL), each thread about equal bytes."""
+    buf = torch.zeros(sum(n for _, n in spans), dtype=torch.uint8)
     base = buf.data_ptr()
     runs: list[list[tuple[int, int, int]]] = [[] for _ in range(max(1, torch.get_num_threads()))]
     offset, per = 0, -(-buf.numel() // len(runs))
-    for src, n in slices:  # cut at run boundaries so that every thread copies ``per`` bytes
+    for src, n in spans:  # cut at run boundaries so that every thread copies ``per`` bytes
         while n:
             take = min(n, per - offset % per)
             runs[offset // per].append((base + offset, src, take))
@@ -96,6 +102,130 @@ def gather_share(ctx: RankCtx) -> tuple[torch.Tensor, Callable[[], None], Callab
     return buf, copy, copy_threads
 
 
+def rotating(contenders: dict[str, Callable[[], T]], rounds: int, before: Callable[[], Any] | None = None
+             ) -> list[dict[str, T]]:
+    """``rounds`` rounds of every contender (``before`` ahead of each), in an order rotating by round (the
+    machine drifts: none always runs first); each round's results by name, in the order they ran."""
+    names, out = list(contenders), []
+    for i in range(rounds):
+        if before is not None:
+            before()
+        out.append({name: contenders[name]() for name in names[i % len(names):] + names[:i % len(names)]})
+    return out
+
+
+def bench_ours(ctx: RankCtx, kind: Kind | None = None) -> dict[str, Metrics]:
+    """``reps`` rounds, each: the memcpy limit of the rank's bytes, then the raw writes and our save in
+    rotating order (this disk changes speed with what was written just before), with ``kind.bracket`` the
+    threaded copy limit timed right before and right after each save (the machine drifts between saves);
+    then ``kind.restores``. The limits' figures too; the buffered raw file is left for the raw read."""
+    from ckpt_engine import Checkpointer, LocalComm, TorchDistComm
+
+    kind = kind or REPLICATED
+    spans = kind.spans(ctx)
+    buf, copy, copy_threads = gather_share(spans)
+    writers = {k: RawWriter(ctx, byte_view(buf), direct, KEEP_LAST) for k, direct in kind.writers.items()}
+    ck = Checkpointer(ctx.path("ours"), comm=TorchDistComm() if ctx.world > 1 else LocalComm(), keep_last=KEEP_LAST)
+    probe, memcpy, memcpy_t, saves, writes = MemProbe(), [], [], [], {k: [] for k in writers}
+
+    def limit() -> float:
+        ctx.barrier()
+        memcpy_t.append(timed(copy_threads)[0])
+        return memcpy_t[-1]
+
+    def save() -> None:
+        pair = {"copy_before_s": limit()} if kind.bracket else {"memcpy_s": memcpy[-1]}
+        ctx.barrier()
+        probe.start(keep_baseline=bool(saves), trim=not saves)
+        stall, total, handle = timed_save(ck, ctx.state, len(saves))  # then waits for the retention
+        saves.append({"stall_s": stall, "total_s": total, **kind.figures(handle.record, stall, total),
+                      "mem_extra_bytes": probe.peak_extra(), "share_bytes": handle.record.bytes, **pair})
+        if kind.bracket:
+            saves[-1]["copy_after_s"] = limit()
+
+    def write(k: str) -> Callable[[], None]:
+        return lambda: (ctx.barrier(), writes[k].append(writers[k].write()))
+
+    rotating({**{k: write(k) for k in writers}, "ours": save}, ctx.reps,
+             lambda: (ctx.barrier(), memcpy.append(timed(copy)[0])))
+    for writer in writers.values():
+        writer.finish()
+    restores = kind.restores(ctx, ck) if kind.restores is not None else {}
+    ck.close()
+    ctx.remove("ours")
+    limits = ("share_bytes", "mem_extra_bytes", "memcpy_s", "copy_before_s", "copy_after_s")
+    ours = {"stall_first_s": saves[0]["stall_s"], "total_first_s": saves[0]["total_s"],
+            "share_bytes": saves[0]["share_bytes"], "mem_extra_bytes": max(s["mem_extra_bytes"] for s in saves),
+            **steady_figures(saves, [k for k in saves[0] if k not in limits]), **restores.pop("ours", {})}
+    for i, rep in enumerate(saves, 1):
+        ours.update({f"rep{i}_{k}": v for k, v in rep.items() if k not in ("memcpy_s", "share_bytes")})
+    out = {"memcpy": {"stall_s": min(memcpy), "share_bytes": buf.numel(), **numbered(memcpy)},
+           **{k: {"total_first_s": w[0], "total_s": min(w[1:] or w), "bytes": buf.numel(), **numbered(w)}
+              for k, w in writes.items()}, "ours": ours}
+    if kind.bracket:
+        out["memcpy_threads"] = {"stall_s": min(memcpy_t), "threads": torch.get_num_threads(), **numbered(memcpy_t)}
+        out["paired"] = {**paired_stalls(saves), **restores.pop("paired", {})}
+    else:
+        paired = [s["stall_s"] / s["memcpy_s"] for s in saves[1:] or saves]  # each save ÷ the memcpy before it
+        ours.update(tensors=float(len(spans)), stall_paired_median=statistics.median(paired),
+                    stall_paired_min=min(paired))
+    return {**out, **restores}
+
+
+def bench_peer(ctx: RankCtx, name: str, peer: _peers.Peer) -> Metrics:
+    """``ctx.peer_reps`` rounds of ``peer`` (:func:`peer_rounds`), its load, if any, timed cold and warm."""
+    load = None if peer.load is None else (
+        lambda path: cold_and_warm_loads(ctx, [path], lambda: peer.load(ctx.state, path)))
+    with peer.using() as kwargs:
+        return peer_rounds(ctx, name, lambda path: peer.save(ctx, path, **kwargs), load, peer.rank0)
+
+
+def start_rank(rank: int, world: int, port: int) -> None:
+    """A rank's process: warnings off, its share of the cores, a gloo process group on loopback with others."""
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                          LOCAL_RANK=str(rank))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def run_rank(ctx: RankCtx, kind: Kind, stages: list[Callable[[], dict[str, Metrics]]], peers: Iterable[str],
+             **state: Any) -> None:
+    """Ours, then ``stages``, then each of ``peers`` in turn; every figure to ``rank-<r>.json`` with the
+    ``state``'s figures."""
+    run_stages(ctx, [lambda: bench_ours(ctx, kind), *stages,
+                     *((lambda p=p: {p: bench_peer(ctx, p, kind.peers[p])}) for p in peers)],
+               ctx.path(f"rank-{ctx.rank}.json"), state={**state, "threads": torch.get_num_threads()})
+
+
+def run_worlds(rank_main: Callable[..., None], cfg: argparse.Namespace) -> dict[int, dict[str, Any]]:
+    """Each world size of ``cfg.worlds`` in turn, a process per rank: every rank's figures and the slowest
+    rank's; the scratch directory ``cfg.dir`` removed afterwards unless ``cfg.keep``."""
+    results = {}
+    try:
+        for w in cfg.worlds:
+            ranks = spawn_ranks(rank_main, w, cfg)
+            results[w] = {"ranks": ranks, "slowest": slowest(ranks)}
+    finally:
+        if not cfg.keep:
+            shutil.rmtree(cfg.dir, ignore_errors=True)
+    return results
+
+
+def driver_parser(doc: str | None, size: tuple[int, str], reps: int,
+                  worlds: tuple[str, str]) -> argparse.ArgumentParser:
+    """The command line both states share: ``size`` and ``worlds`` are (default, what it is)."""
+    p = parser(doc, scratch="/tmp")
+    p.add_argument("--size-mib", type=int, default=size[0], help=f"{size[1]} (default {size[0]})")
+    p.add_argument("--reps", type=int, default=reps, help=f"saves of ours per world size (default {reps})")
+    p.add_argument("--peer-reps", type=int, default=2, help="rounds of each peer, best kept (default 2)")
+    p.add_argument("--worlds", default=worlds[0], help=f"rank counts to run, {worlds[1]} (default {worlds[0]})")
+    p.add_argument("--keep", action="store_true", help="keep the working directory (each rank's raw JSON)")
+    return p
+
+
+# ---- the replicated state: its limits and restores ----------------------------------------------------
 def _plain_pages(n: int) -> torch.Tensor:
     return torch.empty(n, dtype=torch.uint8)
 
@@ -118,7 +248,7 @@ def read_fresh(ctx: RankCtx, paths: list[str], nbytes: int, cold: bool,
     return timed(lambda: read_into(paths, byte_view(allocate(nbytes)), torch.get_num_threads(), verify_step))[0]
 
 
-def bench_raw_read(ctx: RankCtx) -> Metrics:
+def bench_raw_read(ctx: RankCtx) -> dict[str, Metrics]:
     """``preadv`` of every rank's raw file into a warm buffer from the page cache (``load_s``), and into
     fresh memory cold (``load_fresh_s``) and warm (``load_fresh_warm_s``); best of 3 of each kind."""
     paths = [ctx.path(f"raw-{r}.bin") for r in range(ctx.world)]
@@ -131,87 +261,40 @@ def bench_raw_read(ctx: RankCtx) -> Metrics:
 
     out = {"load_s": warm, "load_fresh_s": fresh(True), "load_fresh_warm_s": fresh(False), "bytes": dest.numel()}
     ctx.remove("raw-")
-    return out
+    return {"raw_read": out}
 
 
-# ---- ours, side by side with its limits --------------------------------------------------------------
-def bench_ours(ctx: RankCtx) -> dict[str, Metrics]:
-    """``reps`` rounds, each: the memcpy limit, then the raw writes (buffered, ``O_DIRECT``) and our save
-    in rotating order, the threaded copy limit timed right before and right after each save (this disk
-    changes speed with what was written just before, and the machine drifts between saves); then the
-    restores. Also yields the limits' figures and leaves the raw files for the raw read."""
-    from ckpt_engine import Checkpointer, LocalComm, TorchDistComm
+def replicated_figures(rec: Any, stall: float, total: float) -> Metrics:
+    """A save's copy, persist and commit; the rest of its time after the stall, and that time."""
+    return {"snapshot_s": rec.snapshot_s, "persist_s": rec.persist_s, "commit_s": rec.commit_s,
+            "other_s": total - stall - rec.persist_s - rec.commit_s, "after_stall_s": total - stall}
 
-    buf, copy, copy_threads = gather_share(ctx)
-    raw, rawd = RawWriter(ctx, byte_view(buf), keep=KEEP_LAST), RawWriter(ctx, byte_view(buf), True, KEEP_LAST)
-    ck = Checkpointer(ctx.path("ours"), comm=TorchDistComm() if ctx.world > 1 else LocalComm(), keep_last=KEEP_LAST)
-    probe, memcpy, memcpy_t, writes, dwrites, saves = MemProbe(), [], [], [], [], []
 
-    def limit() -> float:
-        ctx.barrier()
-        memcpy_t.append(timed(copy_threads)[0])
-        return memcpy_t[-1]
-
-    def save() -> None:
-        before = limit()
-        ctx.barrier()
-        probe.start(keep_baseline=bool(saves), trim=not saves)
-        stall, total, handle = timed_save(ck, ctx.state, len(saves))  # then waits for the retention
-        rec = handle.record
-        saves.append({"stall_s": stall, "total_s": total, "mem_extra_bytes": probe.peak_extra(),
-                      "snapshot_s": rec.snapshot_s, "persist_s": rec.persist_s, "commit_s": rec.commit_s,
-                      "other_s": total - stall - rec.persist_s - rec.commit_s, "share_bytes": rec.bytes,
-                      "copy_before_s": before, "after_stall_s": total - stall})
-        saves[-1]["copy_after_s"] = limit()
-
-    def write(writer: RawWriter, into: list[float]) -> Callable[[], None]:
-        return lambda: (ctx.barrier(), into.append(writer.write()))
-
-    order = (write(raw, writes), write(rawd, dwrites), save)
-    for step in range(ctx.reps):
-        ctx.barrier()
-        memcpy.append(timed(copy)[0])
-        for fn in order[step % 3:] + order[:step % 3]:
-            fn()
-    raw.finish()
-    rawd.finish()
-    loads = best_loads(ctx, [ctx.path("ours")], ck.load)
+def replicated_restores(ctx: RankCtx, ck: Any) -> dict[str, Metrics]:
+    """``load()`` cold and warm, the fastest of ``ctx.peer_reps`` of each (as many as each peer gets); the
+    paired rounds (:func:`paired_restores`); with several ranks, the collective ``restore()`` by route."""
+    ours = best_rounds([cold_and_warm_loads(ctx, [ctx.path("ours")], ck.load) for _ in range(ctx.peer_reps)])
     paired = paired_restores(ctx, ck.load)
-    if ctx.world > 1:
-        loads.update(bench_routes(ctx))
-    ck.close()
-    ctx.remove("ours")
-    ours = {"stall_first_s": saves[0]["stall_s"], "total_first_s": saves[0]["total_s"],
-            "share_bytes": saves[0]["share_bytes"], **loads,
-            "mem_extra_bytes": max(s["mem_extra_bytes"] for s in saves),
-            **steady_figures(saves, ("stall_s", "total_s", "after_stall_s", "snapshot_s", "persist_s", "commit_s",
-                                     "other_s"))}
-    for i, rep in enumerate(saves, 1):
-        ours.update({f"rep{i}_{k}": v for k, v in rep.items() if k != "share_bytes"})
-    writes_of = {"raw_write": writes, "raw_write_direct": dwrites}
-    return {"memcpy": {"stall_s": min(memcpy), "share_bytes": buf.numel(), **numbered(memcpy)},
-            "memcpy_threads": {"stall_s": min(memcpy_t), "threads": torch.get_num_threads(), **numbered(memcpy_t)},
-            "paired": {**paired_stalls(saves), **paired},
-            **{k: {"total_first_s": w[0], "total_s": min(w[1:] or w), "bytes": buf.numel(), **numbered(w)}
-               for k, w in writes_of.items()},
-            "ours": ours}
+    return {"ours": {**ours, **(bench_routes(ctx) if ctx.world > 1 else {})}, "paired": paired}
+
+
+def stall_pairs(saves: list[Metrics]) -> dict[str, list[float]]:
+    """Per save 2..N, its stall ÷ the mean of the copies timed right before and right after it (``stall``)
+    and ÷ each alone (``before``, ``after``); the copy inside the save alone ÷ that mean (``snapshot``). Pure."""
+    steady = saves[1:] or saves
+    means = [(s["copy_before_s"] + s["copy_after_s"]) / 2 for s in steady]
+    return {"stall": [s["stall_s"] / m for s, m in zip(steady, means)],
+            "snapshot": [s["snapshot_s"] / m for s, m in zip(steady, means)],
+            "before": [s["stall_s"] / s["copy_before_s"] for s in steady],
+            "after": [s["stall_s"] / s["copy_after_s"] for s in steady]}
 
 
 def paired_stalls(saves: list[Metrics]) -> Metrics:
-    """Each save's stall ÷ the mean of the copies timed right before and right after it, over saves 2..N:
-    the median (the target); informative, the medians against each side alone and of the copy inside
-    the save alone (``snapshot_s``) against the mean. Pure."""
-    steady = saves[1:] or saves
-
-    def median_vs(limit: Callable[[Metrics], float], key: str = "stall_s") -> float:
-        return statistics.median(s[key] / limit(s) for s in steady)
-
-    def mean(s: Metrics) -> float:
-        return (s["copy_before_s"] + s["copy_after_s"]) / 2
-
-    return {"stall_vs_copy_median": median_vs(mean), "snapshot_vs_copy_median": median_vs(mean, "snapshot_s"),
-            "stall_vs_copy_median_before": median_vs(lambda s: s["copy_before_s"]),
-            "stall_vs_copy_median_after": median_vs(lambda s: s["copy_after_s"]), "pairs": float(len(steady))}
+    """The medians of :func:`stall_pairs`: ``stall`` is the target, the others informative. Pure."""
+    median = {k: statistics.median(v) for k, v in stall_pairs(saves).items()}
+    return {"stall_vs_copy_median": median["stall"], "snapshot_vs_copy_median": median["snapshot"],
+            "stall_vs_copy_median_before": median["before"], "stall_vs_copy_median_after": median["after"],
+            "pairs": float(len(saves[1:] or saves))}
 
 
 def cold_and_warm_loads(ctx: RankCtx, paths: list[str], load: Callable[[], Any]) -> Metrics:
@@ -225,15 +308,6 @@ def cold_and_warm_loads(ctx: RankCtx, paths: list[str], load: Callable[[], Any])
         out["load_ok"] = min(out["load_ok"], float(states_equal(loaded, ctx.state)))
         del loaded
     return out
-
-
-def best_loads(ctx: RankCtx, paths: list[str], load: Callable[[], Any]) -> Metrics:
-    """Fastest of ``ctx.peer_reps`` cold and warm restores each (as many as each peer gets)."""
-    best: Metrics = {}
-    for _ in range(ctx.peer_reps):
-        for key, value in cold_and_warm_loads(ctx, paths, load).items():
-            best[key] = min(best.get(key, value), value)
-    return best
 
 
 def faster_memory(ctx: RankCtx, paths: list[str], nbytes: int, reads: int = 5) -> Callable[[int], torch.Tensor]:
@@ -275,13 +349,11 @@ def paired_restores(ctx: RankCtx, load: Callable[[], Any]) -> Metrics:
     contenders: dict[str, Callable[[bool], float]] = {
         "raw": lambda cold: read_fresh(ctx, raw, nbytes, cold, kind), "ours": ours,
         "verified": lambda cold: read_fresh(ctx, raw, nbytes, cold, kind, LocalReader.verify_step)}
-    names = list(contenders)
     out: Metrics = {"restore_raw_huge_pages": float(kind is _huge_pages)}
     for cache, cold in (("cold", True), ("warm", False)):
-        rounds: list[dict[str, float]] = []
-        for i in range(ctx.reps):
-            rounds.append({name: contenders[name](cold) for name in names[i % 3:] + names[:i % 3]})
-            out.update({f"restore_{cache}_{i + 1}_{name}_s": t for name, t in rounds[-1].items()})
+        rounds = rotating({name: partial(f, cold) for name, f in contenders.items()}, ctx.reps)
+        for i, times in enumerate(rounds, 1):
+            out.update({f"restore_{cache}_{i}_{name}_s": t for name, t in times.items()})
         for key, (a, b) in {f"restore_vs_raw_{cache}_median": ("ours", "raw"),
                             f"restore_vs_verified_{cache}_median": ("ours", "verified"),
                             f"verified_vs_raw_{cache}_median": ("verified", "raw")}.items():
@@ -312,40 +384,9 @@ def bench_routes(ctx: RankCtx) -> Metrics:
     return out
 
 
-# ---- the peers ---------------------------------------------------------------------------------------
-def bench_torch_save(ctx: RankCtx) -> Metrics:
-    """``torch.save`` + ``fsync`` on rank 0 (it writes everything); ``torch.load`` on every rank."""
-    return peer_rounds(ctx, "torch.pt", lambda path: synchronous(lambda: _peers.torch_save(ctx.state, path)),
-                       lambda path: cold_and_warm_loads(ctx, [path], lambda: torch.load(path, weights_only=True)),
-                       rank0=True)
-
-
-def bench_lightning(ctx: RankCtx) -> Metrics:
-    """``AsyncCheckpointIO(TorchCheckpointIO())`` on rank 0, as Lightning saves under DDP: the stall is
-    the ``save_checkpoint`` call (it clones every tensor), the total adds ``teardown()`` and an ``fsync``
-    (Lightning does not sync; ``fsync_s`` apart)."""
-    def save(path: str) -> Metrics:
-        io = _peers.LightningAsync(path)
-        stall = timed(lambda: io.save(ctx.state))[0]
-        rest, fsync_s = timed(io.durable)
-        return {"stall_s": stall, "fsync_s": fsync_s, "total_s": stall + rest}
-
-    return peer_rounds(ctx, "lightning.ckpt", save, rank0=True)
-
-
-def bench_dcp_save(ctx: RankCtx) -> Metrics:
-    """``torch.distributed.checkpoint.save`` (synchronous, every rank) and ``load`` into fresh tensors."""
-    return peer_rounds(ctx, "dcp-sync", lambda path: synchronous(lambda: _peers.dcp_save(ctx.state, path)),
-                       lambda path: cold_and_warm_loads(ctx, [path], lambda: _peers.dcp_load(ctx.state, path)))
-
-
-def bench_dcp_async(ctx: RankCtx) -> Metrics:
-    """``dcp.async_save``: stall until the future is returned, total until it resolves."""
-    def save(path: str) -> Metrics:
-        stall, (_, durable) = timed(lambda: _peers.dcp_async(ctx.state, path))
-        return {"stall_s": stall, "total_s": stall + timed(durable)[0]}
-
-    return peer_rounds(ctx, "dcp-async", save)
+REPLICATED = Kind(lambda ctx: share_slices(ctx.state, ctx.rank, ctx.world), PEERS, True,
+                  {"raw_write": False, "raw_write_direct": True}, replicated_figures, replicated_restores)
+"""The replicated state: every rank saves its 1/N of every tensor (DeepFreeze-style), ``LocalComm`` alone."""
 
 
 # ---- rows and targets --------------------------------------------------------------------------------
@@ -395,17 +436,15 @@ def world_rows(world: int, agg: Agg) -> list[Row]:
     """Stall, time to committed, persist, restore and memory rows of one world size."""
     w, ours, total, share = str(world), agg["ours"], agg["state"]["bytes"], agg["ours"]["share_bytes"]
     persist_ratio = paired_persist(agg)
-    peers = {k: {PEERS[p]: f(agg[p]) for p in PEERS if key in agg[p]} for k, key, f in (
+    peers = {k: {PEERS[p].label: f(agg[p]) for p in PEERS if key in agg[p]} for k, key, f in (
         ("stall", "stall_s", lambda m: m["stall_s"] * 1e3), ("total", "total_s", lambda m: m["total_s"]),
         ("gbps", "total_s", lambda m: gbps(total // world, m["total_s"])),
         ("mem", "mem_extra_bytes", lambda m: m["mem_extra_bytes"] / MiB))}
-    copies = [("memcpy of share, 1 thread", agg["memcpy"]["stall_s"] * 1e3)]
-    if "memcpy_threads" in agg:  # the same bytes split over the rank's cores
-        n = int(agg["memcpy_threads"]["threads"])
-        copies.append((f"memcpy of share, {n} thread{'s' if n > 1 else ''}", agg["memcpy_threads"]["stall_s"] * 1e3))
-    memcpy = min(copies, key=lambda c: c[1])
-    kinds = [("raw write+fsync", agg["raw_write"])] + (
-        [("raw O_DIRECT write+fsync", agg["raw_write_direct"])] if "raw_write_direct" in agg else [])
+    n = int(agg["memcpy_threads"]["threads"])  # the same bytes split over the rank's cores
+    memcpy = min([("memcpy of share, 1 thread", agg["memcpy"]["stall_s"] * 1e3), (
+        f"memcpy of share, {n} thread{'s' if n > 1 else ''}", agg["memcpy_threads"]["stall_s"] * 1e3)],
+                 key=lambda c: c[1])
+    kinds = [("raw write+fsync", agg["raw_write"]), ("raw O_DIRECT write+fsync", agg["raw_write_direct"])]
     raw_name, raw_w = min(kinds, key=lambda k: k[1]["total_s"])
     first_name, raw_first = min(kinds, key=lambda k: k[1]["total_first_s"])
     return [
@@ -416,7 +455,7 @@ def world_rows(world: int, agg: Agg) -> list[Row]:
         _row(w, "time to committed, first save", "s", ours["total_first_s"],
              (f"{first_name}, first", raw_first["total_first_s"])),
         _row(w, "persist throughput of rank share (after the stall)", "GB/s",
-             gbps(share, ours.get("after_stall_s", ours["total_s"])),
+             gbps(share, ours["after_stall_s"]),
              (raw_name, gbps(raw_w["bytes"], raw_w["total_s"])),
              peers["gbps"], False, INFO if persist_ratio is not None else AT_LEAST_090),
         *paired_persist_rows(w, persist_ratio),
@@ -430,9 +469,7 @@ def world_rows(world: int, agg: Agg) -> list[Row]:
 def paired_stall(w: str, agg: Agg) -> list[Row]:
     """The stall target: the median over saves 2..N of each stall ÷ the mean of the threaded copies timed
     right before and right after it (slowest rank), with each side's median and the copy alone beside it."""
-    paired = agg.get("paired")
-    if paired is None:
-        return []
+    paired = agg["paired"]
     n = int(paired["pairs"])
     alone = f"alone ({n} save{'s' if n != 1 else ''})"
     return [_row(w, "stall ÷ copy on the rank's cores on both sides of it (their mean, median of saves 2..N)", "×",
@@ -449,12 +486,13 @@ def persist_ratios(agg: Agg) -> list[float]:
     """The persist target's pairs: per round 2..N, the faster raw write + fsync of the round (buffered or
     ``O_DIRECT``) ÷ our time after the stall in that round; empty without per-round figures. Pure."""
     ours, buffered, direct = agg["ours"], agg.get("raw_write", {}), agg.get("raw_write_direct", {})
-    out, i = [], 2
-    while f"rep{i}_after_stall_s" in ours:
-        if f"rep{i}_s" in buffered and f"rep{i}_s" in direct:
-            out.append(min(buffered[f"rep{i}_s"], direct[f"rep{i}_s"]) / ours[f"rep{i}_after_stall_s"])
-        i += 1
-    return out
+    return [min(buffered[f"rep{i}_s"], direct[f"rep{i}_s"]) / ours[f"rep{i}_after_stall_s"]
+            for i in counted(ours, "rep{}_after_stall_s", 2) if f"rep{i}_s" in buffered and f"rep{i}_s" in direct]
+
+
+def counted(m: Metrics, key: str, start: int) -> list[int]:
+    """The numbers ``i`` from ``start`` on for which ``key.format(i)`` is in ``m``, up to the first missing."""
+    return list(itertools.takewhile(lambda i: key.format(i) in m, itertools.count(start)))
 
 
 def paired_persist(agg: Agg) -> float | None:
@@ -473,29 +511,21 @@ def restore_rows(w: str, agg: Agg, total: int) -> list[Row]:
     """``load()`` cold and warm: against the raw read into fresh memory (paired by round: the target;
     best of rounds: informative), the verified raw read and ``torch.load``; with several ranks, the
     collective ``restore()`` by each route."""
-    ours, raw_r, paired, rows = agg["ours"], agg["raw_read"], agg.get("paired", {}), []
+    ours, raw_r, paired, rows = agg["ours"], agg["raw_read"], agg["paired"], []
     for cache, key, raw_key in (("cold", "load_s", "load_fresh_s"), ("warm", "load_warm_s", "load_fresh_warm_s")):
-        if key not in ours or raw_key not in raw_r:
-            continue
         peers = {f"{LOAD_PEERS[p]} ({cache})": gbps(total, agg[p][key]) for p in LOAD_PEERS if key in agg[p]}
-        ratio = paired.get(f"restore_vs_raw_{cache}_median")
-        rows.append(_row(w, f"restore throughput, {cache} page cache (best of rounds)", "GB/s", gbps(total, ours[key]),
-                         (f"raw read into fresh buffer ({cache})", gbps(raw_r["bytes"], raw_r[raw_key])), peers,
-                         False, INFO if ratio is not None else AT_LEAST_090))
-        if ratio is not None:
-            rows.append(_row(w, f"restore ÷ raw read into fresh memory just before or after it, {cache} (median of "
-                                "rounds)", "×", 1 / ratio, SAME, None, False, AT_LEAST_090))
-        cap, verified = paired.get(f"verified_vs_raw_{cache}_median"), paired.get(f"restore_vs_verified_{cache}_median")
-        if cap is not None and verified is not None:
-            rows += [_row(w, f"raw read + xxh3 of every MiB ÷ raw read, {cache}: the most a verified restore reaches "
-                             "(median of rounds)", "×", 1 / cap, SAME, None, False),
-                     _row(w, f"restore ÷ raw read + xxh3 of every MiB, {cache} (median of rounds)", "×", 1 / verified,
-                          SAME, None, False)]
-        rows.append(_row(w, f"restore throughput ÷ torch.load, {cache}", "GB/s", gbps(total, ours[key]),
-                         (f"torch.load ({cache})", gbps(total, agg["torch_save"][key])), peers, False,
-                         ("≥ 1.00 × torch.load", lambda o, lim: o >= lim)))
-    rows.append(_row(w, "restore throughput vs raw read into a warm buffer", "GB/s",
-                     gbps(total, ours.get("load_warm_s", ours["load_s"])),
+        rows += [_row(w, f"restore throughput, {cache} page cache (best of rounds)", "GB/s", gbps(total, ours[key]),
+                      (f"raw read into fresh buffer ({cache})", gbps(raw_r["bytes"], raw_r[raw_key])), peers, False),
+                 _row(w, f"restore ÷ raw read into fresh memory just before or after it, {cache} (median of rounds)",
+                      "×", 1 / paired[f"restore_vs_raw_{cache}_median"], SAME, None, False, AT_LEAST_090),
+                 _row(w, f"raw read + xxh3 of every MiB ÷ raw read, {cache}: the most a verified restore reaches "
+                         "(median of rounds)", "×", 1 / paired[f"verified_vs_raw_{cache}_median"], SAME, None, False),
+                 _row(w, f"restore ÷ raw read + xxh3 of every MiB, {cache} (median of rounds)", "×",
+                      1 / paired[f"restore_vs_verified_{cache}_median"], SAME, None, False),
+                 _row(w, f"restore throughput ÷ torch.load, {cache}", "GB/s", gbps(total, ours[key]),
+                      (f"torch.load ({cache})", gbps(total, agg["torch_save"][key])), peers, False,
+                      ("≥ 1.00 × torch.load", lambda o, lim: o >= lim))]
+    rows.append(_row(w, "restore throughput vs raw read into a warm buffer", "GB/s", gbps(total, ours["load_warm_s"]),
                      ("raw read (page cache, warm buffer)", gbps(raw_r["bytes"], raw_r["load_s"])), None, False))
     if "restore_exchange_s" in ours:
         chose = "exchange" if ours.get("auto_exchanged") else "read"
@@ -508,13 +538,13 @@ def restore_rows(w: str, agg: Agg, total: int) -> list[Row]:
 
 def fastest_copy(agg: Agg) -> float:
     """Seconds of the rank's fastest copy of its share: one ``memmove``, or split over its cores."""
-    return min(agg[k]["stall_s"] for k in ("memcpy", "memcpy_threads") if k in agg)
+    return min(agg["memcpy"]["stall_s"], agg["memcpy_threads"]["stall_s"])
 
 
 def scaling_row(one: Agg, two: Agg) -> Row:
     """2-rank slowest-rank stall ÷ 1-rank stall, against the same scaling of the machine's fastest copy
     of each rank's share (a single rank already copies on every core, so a stall scales as that copy)."""
-    peers = {PEERS[p]: two[p]["stall_s"] / one[p]["stall_s"] for p in PEERS if "stall_s" in one[p]}
+    peers = {PEERS[p].label: two[p]["stall_s"] / one[p]["stall_s"] for p in PEERS if "stall_s" in one[p]}
     return _row("2 vs 1", "stall scaling (2-rank slowest ÷ 1-rank)", "×",
                 two["ours"]["stall_s"] / one["ours"]["stall_s"],
                 ("fastest copy's scaling", fastest_copy(two) / fastest_copy(one)), peers, True, AT_MOST_110)
@@ -533,9 +563,8 @@ def markdown(rows: list[Row], worlds: dict[int, dict[str, Any]], config: dict[st
     for w, res in worlds.items():
         for name in ORDER:
             m = res["slowest"].get(name, {})
-            cells.append([w, name, num(m["stall_s"] * 1e3 if "stall_s" in m else None), num(m.get("total_s")),
-                          num(m.get("load_s")), num(m.get("load_warm_s")),
-                          num(m["mem_extra_bytes"] / MiB if "mem_extra_bytes" in m else None),
+            cells.append([w, name, *figure_cells(m, {"stall_s": 1e3, "total_s": 1, "load_s": 1, "load_warm_s": 1,
+                                                 "mem_extra_bytes": 1 / MiB}),
                           {1.0: "yes", 0.0: "NO"}.get(m.get("load_ok", -1), "-")])
             if "load_fresh_s" in m:
                 cells.append([w, f"{name} (into fresh buffer)", "-", "-", num(m["load_fresh_s"]),
@@ -545,6 +574,11 @@ def markdown(rows: list[Row], worlds: dict[int, dict[str, Any]], config: dict[st
     lines += table(["ranks", "contender", "stall ms", "to durable s", "restore s (cold)", "restore s (warm)",
                     "extra RSS MiB", "restore bit-exact"], cells)
     return "\n".join(lines) + "\n"
+
+
+def figure_cells(m: Metrics, columns: dict[str, float]) -> list[str]:
+    """The cells of ``m``'s figures ``columns`` (key → the factor of its unit); ``-`` for one it lacks."""
+    return [num(None if m.get(k) is None else m[k] * f) for k, f in columns.items()]
 
 
 def _finite(x: float) -> float | None:
@@ -596,25 +630,20 @@ def bench_levels(size_mib: int, reps: int, workdir: str) -> tuple[dict[str, Any]
     from ckpt_engine import Checkpointer
     from ckpt_engine.storage import open_storage
 
-    state = make_state(StateSpec(size_mib))
-    server = s3server.start()
-    saved_env = {k: os.environ.get(k) for k in server.env}
-    os.environ.update(server.env)
-    s3server.make_bucket(server, "bench")
-    run = uuid.uuid4().hex[:8]
-    raw, data = open_storage(f"s3://bench/raw-{run}"), bytes(state_bytes(state))
+    state, server, run = make_state(StateSpec(size_mib)), s3server.start(), uuid.uuid4().hex[:8]
     try:
-        with tempfile.TemporaryDirectory(dir=workdir) as local:
-            rows = {"s3 direct": _level_saves(Checkpointer(f"s3://bench/direct-{run}", keep_last=1), state, reps),
-                    "local only": _level_saves(Checkpointer(os.path.join(local, "one"), keep_last=1), state, reps),
-                    "local only + raw upload": _level_saves(Checkpointer(os.path.join(local, "ref"), keep_last=1), state,
-                                                    reps, lambda: raw.write_stream("raw.bin", [data])),
-                    "local + s3": _level_saves(Checkpointer(levels=[os.path.join(local, "l1"), f"s3://bench/l2-{run}"],
-                                                    keep_last=1), state, reps)}
+        with mock.patch.dict(os.environ, server.env), tempfile.TemporaryDirectory(dir=workdir) as local:
+            s3server.make_bucket(server, "bench")
+            raw, data = open_storage(f"s3://bench/raw-{run}"), bytes(state_bytes(state))
+            setups = {"s3 direct": ([f"s3://bench/direct-{run}"], None),
+                      "local only": ([os.path.join(local, "one")], None),
+                      "local only + raw upload": ([os.path.join(local, "ref")],
+                                                  lambda: raw.write_stream("raw.bin", [data])),
+                      "local + s3": ([os.path.join(local, "l1"), f"s3://bench/l2-{run}"], None)}
+            rows = {name: _level_saves(Checkpointer(levels=levels, keep_last=1), state, reps, beside)
+                    for name, (levels, beside) in setups.items()}
     finally:
         server.stop()
-        for k, v in saved_env.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     direct, one, two, ref = rows["s3 direct"], rows["local only"], rows["local + s3"], rows["local only + raw upload"]
     lines = [f"## Multi-level: {size_mib} MiB, 1 process, median of {reps} saves (S3 = moto on loopback)", "",
              *table(["set-up", "stall ms", "durable on level 1 s", "durable on S3 s"], [
@@ -633,48 +662,25 @@ def bench_levels(size_mib: int, reps: int, workdir: str) -> tuple[dict[str, Any]
 
 
 # ---- processes ---------------------------------------------------------------------------------------
-def rank_main(rank: int, world: int, cfg: Config, workdir: str, port: int) -> None:
-    """One rank: build the state, run ours and every peer in turn, write ``rank-<r>.json``."""
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    if world > 1:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+def rank_main(rank: int, world: int, cfg: argparse.Namespace, workdir: str, port: int) -> None:
+    """One rank: build the state, run ours, the raw read and every peer in turn, write ``rank-<r>.json``."""
+    start_rank(rank, world, port)
     ctx = RankCtx(rank, world, make_state(StateSpec(cfg.size_mib)), workdir, cfg.reps, cfg.peer_reps)
-    peers = {"raw_read": bench_raw_read, "torch_save": bench_torch_save, "lightning": bench_lightning,
-             "dcp_save": bench_dcp_save, "dcp_async": bench_dcp_async}
-    run_stages(ctx, [lambda: bench_ours(ctx), *((lambda n=n, f=f: {n: f(ctx)}) for n, f in peers.items())],
-               os.path.join(workdir, f"rank-{rank}.json"),
-               state={"bytes": state_bytes(ctx.state), "threads": torch.get_num_threads()})
+    run_rank(ctx, REPLICATED, [lambda: bench_raw_read(ctx)], PEERS, bytes=state_bytes(ctx.state))
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = parser(__doc__, scratch="/tmp")
-    p.add_argument("--size-mib", type=int, default=1024, help="state size in MiB (default 1024)")
-    p.add_argument("--reps", type=int, default=3, help="saves of ours per world size (default 3)")
-    p.add_argument("--peer-reps", type=int, default=2, help="rounds of each peer, best kept (default 2)")
-    p.add_argument("--worlds", default="1,2", help="rank counts to run, or none (default 1,2)")
-    p.add_argument("--keep", action="store_true", help="keep the working directory (each rank's raw JSON)")
+    p = driver_parser(__doc__, (1024, "state size in MiB"), 3, ("1,2", "or none"))
     p.add_argument("--levels-mib", type=int, default=64, help="state of the multi-level section; 0 skips it")
     p.add_argument("--levels-reps", type=int, default=6, help="saves per set-up in the multi-level section")
-    a = p.parse_args(argv)
-    worlds = () if a.worlds == "none" else tuple(int(w) for w in a.worlds.split(","))
-    if min(a.size_mib, a.reps, a.peer_reps, *worlds) < 1:
+    cfg = p.parse_args(argv)
+    cfg.worlds = () if cfg.worlds == "none" else tuple(int(w) for w in cfg.worlds.split(","))
+    if min(cfg.size_mib, cfg.reps, cfg.peer_reps, *cfg.worlds) < 1:
         p.error("--size-mib, --reps, --peer-reps and every rank count of --worlds must be >= 1")
-    cfg = Config(a.size_mib, a.out, tempfile.mkdtemp(prefix="bench_save-", dir=a.dir), a.reps, a.peer_reps, worlds,
-                 a.keep, a.levels_mib, a.levels_reps)
-    levels, levels_md = {}, ""
-    try:
-        results = {}
-        for w in cfg.worlds:
-            ranks = spawn_ranks(rank_main, w, cfg)
-            results[w] = {"ranks": ranks, "slowest": slowest(ranks)}
-        if cfg.levels_mib > 0:
-            levels, levels_md = bench_levels(cfg.levels_mib, cfg.levels_reps, cfg.dir)
-    finally:
-        if not cfg.keep:
-            shutil.rmtree(cfg.dir, ignore_errors=True)
-    config = {**asdict(cfg), "cpu_count": os.cpu_count(), "torch": torch.__version__}
+    scratch, cfg.dir = cfg.dir, tempfile.mkdtemp(prefix="bench_save-", dir=cfg.dir)
+    results = run_worlds(rank_main, cfg)
+    levels, levels_md = bench_levels(cfg.levels_mib, cfg.levels_reps, scratch) if cfg.levels_mib > 0 else ({}, "")
+    config = {**vars(cfg), "cpu_count": os.cpu_count(), "torch": torch.__version__}
     if results:
         rows = [row for w, res in results.items() for row in world_rows(w, res["slowest"])]
         if 1 in results and 2 in results:

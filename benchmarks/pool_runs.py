@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import random
 import statistics
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from _common import slowest, table
-from bench_save import persist_ratios
-
-Metrics = dict[str, float]
+from _common import Metrics, slowest, table
+from bench_save import counted, persist_ratios, stall_pairs
 TARGETS: dict[str, tuple[str, str, Callable[[float], bool] | None]] = {
     "stall": ("stall ÷ the copy on the rank's cores on both sides of it", "≤ 1.10", lambda x: x <= 1.10),
     "snapshot": ("of which the copy inside `save()` alone ÷ the same copies", "-", None),
@@ -33,6 +32,8 @@ TARGETS: dict[str, tuple[str, str, Callable[[float], bool] | None]] = {
         ("_verified", "restore ÷ raw read + xxh3 of every MiB, {}", ("-", None)))},
 }
 """Each figure's label, target and test; ``None``: informative (what bounds or explains a target)."""
+RESTORE_PAIRS = {"": ("raw", "ours"), "_cap": ("raw", "verified"), "_verified": ("verified", "ours")}
+"""The restore figures' pairs of times, by the suffix of the figure: (numerator, denominator)."""
 
 
 @dataclass(frozen=True)
@@ -54,32 +55,21 @@ class Pooled:
         return None if test is None else test(self.median)
 
 
-def _count(m: Metrics, key: Callable[[int], str], start: int) -> list[int]:
-    i = start
-    while key(i) in m:
-        i += 1
-    return list(range(start, i))
-
-
 def rank_pairs(rank: dict[str, Metrics]) -> dict[str, list[float]]:
     """The per-pair ratios of each target of one rank's times (or of the slowest rank's). Pure."""
-    ours, out = rank["ours"], {}
-    steady = _count(ours, lambda i: f"rep{i}_stall_s", 2)
-    if steady and all(f"rep{i}_copy_before_s" in ours for i in steady):
-        mean = [(ours[f"rep{i}_copy_before_s"] + ours[f"rep{i}_copy_after_s"]) / 2 for i in steady]
-        out["stall"] = [ours[f"rep{i}_stall_s"] / m for i, m in zip(steady, mean)]
-        if all(f"rep{i}_snapshot_s" in ours for i in steady):
-            out["snapshot"] = [ours[f"rep{i}_snapshot_s"] / m for i, m in zip(steady, mean)]
+    ours, paired, out = rank["ours"], rank["paired"], {}
+    saves = [{k: ours[f"rep{i}_{k}"] for k in ("stall_s", "snapshot_s", "copy_before_s", "copy_after_s")}
+             for i in counted(ours, "rep{}_stall_s", 1)]
+    if len(saves) > 1:
+        out.update({k: v for k, v in stall_pairs(saves).items() if k in ("stall", "snapshot")})
     if persist_ratios(rank):
         out["persist"] = persist_ratios(rank)
-    paired = rank.get("paired", {})
     for cache in ("cold", "warm"):
-        found = _count(paired, lambda i: f"restore_{cache}_{i}_ours_s", 1)
-        times = {n: [paired.get(f"restore_{cache}_{i}_{n}_s") for i in found] for n in ("raw", "ours", "verified")}
-        pairs = {"": ("raw", "ours"), "_cap": ("raw", "verified"), "_verified": ("verified", "ours")}
-        for suffix, (a, b) in pairs.items():
-            if found and None not in times[a] + times[b]:
-                out[f"restore_{cache}{suffix}"] = [x / y for x, y in zip(times[a], times[b])]
+        rounds = counted(paired, f"restore_{cache}_{{}}_ours_s", 1)
+        times = {n: [paired[f"restore_{cache}_{i}_{n}_s"] for i in rounds] for n in ("raw", "ours", "verified")}
+        if rounds:
+            out.update({f"restore_{cache}{suffix}": [x / y for x, y in zip(times[a], times[b])]
+                        for suffix, (a, b) in RESTORE_PAIRS.items()})
     return out
 
 
@@ -123,18 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--names", default=None, help="comma-separated column names of the runs (default: run 1, 2, ...)")
     p.add_argument("--out", default=None, help="also write the table to this markdown file")
     args = p.parse_args(argv)
-    runs = []
-    for path in args.runs:
-        with open(path) as f:
-            runs.append(json.load(f))
+    runs = [json.loads(pathlib.Path(path).read_text()) for path in args.runs]
     names = args.names.split(",") if args.names else [f"run {i}" for i in range(1, len(runs) + 1)]
     if len(names) != len(runs):
         p.error(f"--names gives {len(names)} names for {len(runs)} runs")
     table = markdown(pool(runs), names)
     sys.stdout.write(table)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(table)
+        pathlib.Path(args.out).write_text(table)
     return 0
 
 
