@@ -33,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 import _peers  # noqa: E402
 from _peers import Staged  # noqa: E402
-from _common import best_of, gbps, md_row, parser, saved_bytes, state_bytes, table, timed, write_fsync  # noqa: E402
+from _common import best_of, gbps, parser, saved_bytes, state_bytes, table, timed, write_fsync  # noqa: E402
 from _plain_job import GPT, train  # noqa: E402
 
 from ckpt_engine import Checkpointer  # noqa: E402
@@ -566,7 +566,7 @@ def markdown(res: dict[str, Any]) -> str:
                 notes = ", ".join([*(f"{k}={_f(v)}" for k, v in r.items() if k in ("waited_s", "skipped", "drain_s")),
                                    *(f"{k}={_f(v)}" for k, v in (r.get("figures") or {}).items()
                                      if k in ("interval_steps", "measured_overhead"))])
-            lines.append(f"{md_row(cells)} {notes} |")  # an empty note as "|  |", as published runs show it
+            lines.append(f"{table(cells, [])[0]} {notes} |")  # an empty note as "|  |", as published runs show it
     return "\n".join(lines) + "\n"
 
 
