@@ -42,7 +42,8 @@ _LIBC = ctypes.CDLL(None)
 @dataclass
 class RankCtx:
     """What a contender needs to know about its rank. ``cold``: this round starts with the allocator's free
-    memory handed back (exact RSS figures, first-touch faults paid) rather than with a warm heap."""
+    memory handed back (exact RSS figures, first-touch faults paid) rather than with a warm heap;
+    ``copy_threads``: ours' ``Checkpointer(copy_threads=)`` (0: its default, a thread per core of the rank)."""
 
     rank: int
     world: int
@@ -51,6 +52,7 @@ class RankCtx:
     reps: int
     peer_reps: int
     cold: bool = True
+    copy_threads: int = 0
 
     def barrier(self) -> None:
         """Line all ranks up so that they start a measurement together."""

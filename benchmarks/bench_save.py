@@ -125,7 +125,8 @@ def bench_ours(ctx: RankCtx, kind: Kind | None = None) -> dict[str, Metrics]:
     spans = kind.spans(ctx)
     buf, copy, copy_threads = gather_share(spans)
     writers = {k: RawWriter(ctx, byte_view(buf), direct, KEEP_LAST) for k, direct in kind.writers.items()}
-    ck = Checkpointer(ctx.path("ours"), comm=TorchDistComm() if ctx.world > 1 else LocalComm(), keep_last=KEEP_LAST)
+    ck = Checkpointer(ctx.path("ours"), comm=TorchDistComm() if ctx.world > 1 else LocalComm(), keep_last=KEEP_LAST,
+                      copy_threads=ctx.copy_threads or None)
     probe, memcpy, memcpy_t, saves, writes = MemProbe(), [], [], [], {k: [] for k in writers}
 
     def limit() -> float:
@@ -138,7 +139,9 @@ def bench_ours(ctx: RankCtx, kind: Kind | None = None) -> dict[str, Metrics]:
         ctx.barrier()
         probe.start(keep_baseline=bool(saves), trim=not saves)
         stall, total, handle = timed_save(ck, ctx.state, len(saves))  # then waits for the retention
-        saves.append({"stall_s": stall, "total_s": total, **kind.figures(handle.record, stall, total),
+        rec = handle.record  # the CPU of every thread that worked on it: encoding, copy, persist, commit
+        cpu = rec.encode_cpu_s + rec.snapshot_cpu_s + rec.persist_cpu_s + rec.commit_cpu_s
+        saves.append({"stall_s": stall, "total_s": total, "cpu_s": cpu, **kind.figures(rec, stall, total),
                       "mem_extra_bytes": probe.peak_extra(), "share_bytes": handle.record.bytes, **pair})
         if kind.bracket:
             saves[-1]["copy_after_s"] = limit()
@@ -222,6 +225,8 @@ def driver_parser(doc: str | None, size: tuple[int, str], reps: int,
     p.add_argument("--peer-reps", type=int, default=2, help="rounds of each peer, best kept (default 2)")
     p.add_argument("--worlds", default=worlds[0], help=f"rank counts to run, {worlds[1]} (default {worlds[0]})")
     p.add_argument("--keep", action="store_true", help="keep the working directory (each rank's raw JSON)")
+    p.add_argument("--copy-threads", type=int, default=0, help="ours' copy_threads (default 0: a thread per core "
+                   "of the rank, the Checkpointer's default)")
     return p
 
 
@@ -451,6 +456,9 @@ def world_rows(world: int, agg: Agg) -> list[Row]:
         _row(w, "stall, steady state (best of saves 2..N)", "ms", ours["stall_s"] * 1e3, memcpy, peers["stall"]),
         *paired_stall(w, agg),
         _row(w, "stall, first save", "ms", ours["stall_first_s"] * 1e3, memcpy, peers["stall"]),
+        _row(w, "CPU per checkpoint, every thread: encode, copy, persist (hash + write), commit (median of saves "
+                "2..N)", "ms", ours["cpu_median_s"] * 1e3,
+             ("memcpy of share, 1 thread", agg["memcpy"]["stall_s"] * 1e3)),
         _row(w, "time to committed (steady)", "s", ours["total_s"], (raw_name, raw_w["total_s"]), peers["total"]),
         _row(w, "time to committed, first save", "s", ours["total_first_s"],
              (f"{first_name}, first", raw_first["total_first_s"])),
@@ -665,7 +673,8 @@ def bench_levels(size_mib: int, reps: int, workdir: str) -> tuple[dict[str, Any]
 def rank_main(rank: int, world: int, cfg: argparse.Namespace, workdir: str, port: int) -> None:
     """One rank: build the state, run ours, the raw read and every peer in turn, write ``rank-<r>.json``."""
     start_rank(rank, world, port)
-    ctx = RankCtx(rank, world, make_state(StateSpec(cfg.size_mib)), workdir, cfg.reps, cfg.peer_reps)
+    ctx = RankCtx(rank, world, make_state(StateSpec(cfg.size_mib)), workdir, cfg.reps, cfg.peer_reps,
+                  copy_threads=cfg.copy_threads)
     run_rank(ctx, REPLICATED, [lambda: bench_raw_read(ctx)], PEERS, bytes=state_bytes(ctx.state))
 
 
