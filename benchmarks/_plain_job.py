@@ -105,8 +105,9 @@ def paired(base: Sequence[float], other: Sequence[float]) -> dict[str, float]:
     """``other`` against ``base`` round by round (a contender's figure and the reference's of the same round):
     the median difference (``diff``) and ratio (``ratio``, over rounds where ``base`` is positive), and the
     relative difference's median, mean and standard error (``rel_median``, ``rel_mean``, ``rel_se``)."""
+    from _fit_figures import Paired
+
     ratios = [o / b for o, b in zip(other, base) if b > 0]
-    rel = [r - 1 for r in ratios]
+    rel = Paired(tuple(r - 1 for r in ratios))
     return {"diff": statistics.median(o - b for o, b in zip(other, base)), "ratio": statistics.median(ratios),
-            "rel_median": statistics.median(rel), "rel_mean": statistics.mean(rel),
-            "rel_se": statistics.stdev(rel) / len(rel) ** 0.5 if len(rel) > 1 else float("nan")}
+            "rel_median": rel.median, "rel_mean": rel.mean, "rel_se": rel.se}

@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from _common import git_commit, parser, pct, spawn_ranks, table, write_report  # noqa: E402
+from _fit_figures import NOISE_SE  # noqa: E402
 from _plain_job import batches, mlp, paired, rotated, train  # noqa: E402
 
 from ckpt_engine import DDPBucketOrder  # noqa: E402
@@ -109,7 +110,7 @@ def render(doc: dict[str, Any], cfg: Any) -> str:
     exact = {"defaults": "no (> 2 ranks)", "bucket_order": "yes", "find_unused": "yes"}
     rows = []
     for name, v in c.items():
-        noise = name != "defaults" and abs(v["diff_mean"]) <= 2 * v["diff_se"]
+        noise = name != "defaults" and abs(v["diff_mean"]) <= NOISE_SE * v["diff_se"]
         within = " (inside the noise: ≤ 2 s.e.)" if noise else ""
         rows.append([name, f"{v['step_s'] * 1e3:.1f} ms", f"{pct(v['diff_median'])}{within}",
                      f"{pct(v['diff_mean'])} ± {v['diff_se'] * 100:.1f} %", exact[name]])
