@@ -134,6 +134,18 @@ class Paired:
                 "noise": self.noise, "values": list(self.values)}
 
 
+def versus(mine: Paired, peer: Paired, target: float) -> str:
+    """The verdict of ``mine`` against a peer's overhead: the ratio of their means against ``target`` (at
+    most), or why there is none (the peer's difference inside the noise, or not above zero)."""
+    if peer.noise:
+        return "inconclusive: the peer's difference is inside the noise"
+    if peer.mean <= 0:
+        return "no ratio: the peer's difference is not above zero"
+    ratio = mine.mean / peer.mean
+    return (f"{ratio:.2f} × the peer → {'PASS' if ratio <= target else 'FAIL'} (target ≤ {target:.2f})"
+            + ("; ours inside the noise" if mine.noise else ""))
+
+
 def paired(fits: list[FitResult], name: str, diff: Callable[[FitResult, FitResult], float],
            reference: str = "none") -> Paired:
     """Per round where both ran, ``diff(fit of name, fit of reference)``."""

@@ -28,8 +28,8 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
-from _common import fmt, parser, write_report  # noqa: E402
-from _fit_figures import PAIRED, Paired, median, paired, paired_table, run_line  # noqa: E402
+from _common import parser, write_report  # noqa: E402
+from _fit_figures import PAIRED, Paired, median, paired, paired_table, run_line, versus  # noqa: E402
 from _lightning_job import FitResult, _count_thread_cpu, _rusage_cpu, _threads_cpu, remove_memory  # noqa: E402
 
 CONTENDERS = {"none": "no checkpointing", "torch_save": "rank 0 torch.save (Horovod's examples)",
@@ -138,11 +138,8 @@ def markdown(fits: list[FitResult], a: argparse.Namespace, run: str) -> tuple[st
     for o in ("ours", "ours_memory"):
         for k, (what, _) in PAIRED.items():
             mine = Paired.of(rows[o]["paired"][k])
-            ratio = mine.mean / peer[k].mean if peer[k].mean else float("nan")
-            result = ("inconclusive: the peer's difference is inside the noise" if peer[k].noise or peer[k].mean <= 0
-                      else f"{fmt(ratio, '{:.2f}')} × the peer → {'PASS' if ratio <= TARGET_VS_PEER else 'FAIL'} "
-                      "(target ≤ 0.33)" + ("; ours inside the noise" if mine.noise else ""))
-            lines.append(f"- {what}, {CONTENDERS[o]}: {mine.text()} vs {peer[k].text()}: {result}")
+            lines.append(f"- {what}, {CONTENDERS[o]}: {mine.text()} vs {peer[k].text()}: "
+                         f"{versus(mine, peer[k], TARGET_VS_PEER)}")
     return "\n".join(lines) + "\n", rows
 
 

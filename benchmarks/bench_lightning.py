@@ -26,7 +26,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import fmt, parser, pct, table, verdict, write_report  # noqa: E402
-from _fit_figures import PAIRED, Paired, paired_table, run_line, summarize  # noqa: E402
+from _fit_figures import PAIRED, Paired, paired_table, run_line, summarize, versus  # noqa: E402
 from _lightning_job import (CONTENDER, CONTENDERS, DEFAULT_CONTENDERS, MEMORY_CONTENDERS, OURS,  # noqa: E402
                             PEERS, FitJob, FitResult, rounds)
 
@@ -61,12 +61,8 @@ def verdicts(s: dict[str, Any]) -> list[str]:
 
         best = min(peers, key=lambda p: of(p).mean)
         for o in (o for o in OURS if o in rows):
-            ratio = of(o).mean / of(best).mean
-            result = ("inconclusive: the best peer's difference is inside the noise" if of(best).noise
-                      or of(best).mean <= 0 else f"{ratio:.2f} × best peer → {verdict(ratio <= TARGET_VS_PEER)} "
-                      "(target ≤ 0.33)" + ("; ours inside the noise" if of(o).noise else ""))
             lines.append(f"- {what}, {rows[o]['label']}: {of(o).text()} vs best peer ({rows[best]['label']}) "
-                         f"{of(best).text()}: {result}")
+                         f"{of(best).text()}: {versus(of(o), of(best), TARGET_VS_PEER)}")
     return lines
 
 

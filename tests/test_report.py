@@ -468,3 +468,64 @@ def test_the_memory_section_holds_each_target_against_its_own_figure(monkeypatch
     assert "0 of 1 fits left files" in text
     again = bench_lightning.resummarize({"summary": summary, "fits": [f.as_json() for f in fits]})
     assert "\n".join(bench_lightning.markdown(again["summary"])) == text
+
+
+# ---- paired overheads (_fit_figures): each fit against the no-checkpointing fit of its round ----------
+def _round_fit(name, rep, cpu, wall, own=0.0, saves=0):
+    from _lightning_job import FitResult
+
+    return FitResult(contender=name, rep=rep, process_cpu_s=cpu, process_wall_s=wall, fit_cpu_s=cpu, fit_wall_s=wall,
+                     main_cpu_s=cpu - own, threads_cpu_s={"ckpt-persist": own} if own else {}, n_ckpt=saves,
+                     train_cpu_ms=[], end_wall_s=wall)
+
+
+def test_an_overhead_is_paired_with_its_own_round_and_inside_the_noise_when_the_rounds_disagree(monkeypatch):
+    """The machine drifts between rounds (here 40 % from one to the next): each fit is taken against the
+    no-checkpointing fit of its own round. 10 % in one round and 0 % in the next is 5 ± 5 %, inside the
+    noise; 9, 10 and 11 % in three rounds is not."""
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    from _fit_figures import PAIRED, Paired, paired
+
+    drifting = [_round_fit("none", 0, 10.0, 5.0), _round_fit("ours", 0, 11.0, 5.0),
+                _round_fit("none", 1, 14.0, 7.0), _round_fit("ours", 1, 14.0, 7.0)]
+    p = paired(drifting, "ours", PAIRED["process_cpu"][1])
+    assert p.values == pytest.approx((0.10, 0.0)) and p.median == pytest.approx(0.05)
+    assert p.se == pytest.approx(0.05) and p.noise and p.text().endswith("(noise)")
+    steady = [f for r, base in enumerate((10.0, 20.0, 30.0))
+              for f in (_round_fit("none", r, base, 5.0), _round_fit("ours", r, base * (1.1 + (r - 1) / 100), 5.0))]
+    p = paired(steady, "ours", PAIRED["process_cpu"][1])
+    assert p.mean == pytest.approx(0.10) and not p.noise and "(noise)" not in p.text()
+    assert Paired.of(p.as_json()) == p
+    one_round = paired(drifting[:2], "ours", PAIRED["process_cpu"][1])
+    assert one_round.noise and one_round.se != one_round.se  # one round: no error, never outside the noise
+
+
+def test_the_checkpoint_threads_cpu_and_the_rest_add_up_to_the_process_cpu(monkeypatch):
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    from _fit_figures import PAIRED, paired
+
+    fits = [_round_fit("none", 0, 10.0, 5.0, own=0.1), _round_fit("ours", 0, 11.5, 5.5, own=0.9, saves=3)]
+    own, rest, total = (paired(fits, "ours", PAIRED[k][1]).median for k in ("own_cpu", "rest_cpu", "process_cpu"))
+    assert own == pytest.approx(0.08) and rest == pytest.approx(0.07) and own + rest == pytest.approx(total)
+
+
+def test_bench_horovod_draws_no_ratio_from_a_peer_inside_the_noise(monkeypatch):
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import argparse
+
+    import bench_horovod
+
+    def fits(peer):  # three rounds; ours +1 % of CPU, the peer `peer` (per round)
+        return [f for r, base in enumerate((10.0, 12.0, 11.0)) for f in (
+            _round_fit("none", r, base, 5.0), _round_fit("torch_save", r, base * (1 + peer[r]), 5.0, saves=6),
+            _round_fit("ours", r, base * 1.01, 5.0, own=0.05, saves=6),
+            _round_fit("ours_memory", r, base * 1.01, 5.0, own=0.05, saves=6))]
+
+    a = argparse.Namespace(ranks=2, steps=60, every=10, rounds=3)
+    text, rows = bench_horovod.markdown(fits([0.05, 0.06, 0.04]), a, "Run 2026-01-01, test")
+    assert "process CPU, ours, disk: +1.0 / +1.0 ± 0.0 %" in text and "0.20 × the peer → PASS (target ≤ 0.33)" in text
+    assert rows["ours"]["paired"]["process_cpu"]["rounds"] == 3
+    text, _ = bench_horovod.markdown(fits([0.05, -0.04, 0.0]), a, "Run 2026-01-01, test")
+    assert "process CPU, ours, disk" in text and "inconclusive: the peer's difference is inside the noise" in text
+    text, _ = bench_horovod.markdown(fits([-0.05, -0.06, -0.04]), a, "Run 2026-01-01, test")
+    assert "no ratio: the peer's difference is not above zero" in text
