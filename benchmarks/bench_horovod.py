@@ -10,7 +10,7 @@ standard error, and whether inside the noise. The method: ``benchmarks/README.md
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_horovod.py                    # 8 rounds, ~11 min on 2 cores
+    .venv/bin/python benchmarks/bench_horovod.py                    # 8 rounds, ~25 min on 2 cores
     .venv/bin/python benchmarks/bench_horovod.py --rounds 1 --steps 20 --width 128   # smoke run
 """
 
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     p = parser(__doc__, scratch=None)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=120)
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--width", type=int, default=256, help="model width (GPT-2 blocks, 4 heads)")
     p.add_argument("--layers", type=int, default=4)
