@@ -118,7 +118,7 @@ class Paired:
     @property
     def noise(self) -> bool:
         """Whether the difference is inside the noise: fewer than two rounds, or ``|mean| ≤ NOISE_SE × se``."""
-        return not self.se == self.se or abs(self.mean) <= NOISE_SE * self.se
+        return math.isnan(self.se) or abs(self.mean) <= NOISE_SE * self.se
 
     def text(self, scale: float = 100.0, unit: str = " %") -> str:
         """``median / mean ± se``, signed, with ``(noise)`` when inside the noise."""
@@ -170,6 +170,15 @@ of the process: training threads, imports, Lightning) add up to ``process_cpu``.
 
 
 # ---- a configuration's figures -----------------------------------------------------------------------
+def paired_row(fits: list[FitResult], name: str) -> dict[str, Any]:
+    """What :func:`paired_table` shows of configuration ``name``: its rounds, checkpoints (median), the paired
+    figures (:data:`PAIRED`) and its own CPU per checkpoint (median over its fits that took one)."""
+    rs = [r for r in fits if r.name == name]
+    return {"rounds": len(rs), "n_ckpt": median([float(r.n_ckpt) for r in rs]),
+            "paired": {k: paired(fits, name, diff).as_json() for k, (_, diff) in PAIRED.items()},
+            "own_cpu_per_ckpt_ms": median([r.own_cpu_s / r.n_ckpt * 1e3 for r in rs if r.n_ckpt])}
+
+
 def _spread(values: list[float]) -> float:
     return (max(values) - min(values)) / min(values) if len(values) > 1 else math.nan
 
@@ -186,15 +195,15 @@ def summarize(job: FitJob, fits: list[FitResult], names: list[str], window: int 
         rs = [r for r in fits if r.name == n]
         c = rs[0].contender
         best = {k: min(getattr(r, k) for r in rs) for k in ref}
-        ck = median([float(r.n_ckpt) for r in rs])
         figs = [f for r in rs for f in r.figures if f.get("kind", "save") == "save"]
+        shown = paired_row(fits, n)
+        ck = shown["n_ckpt"]
         row: dict[str, Any] = {
             "label": label(n, job) if n in CONTENDER else n, "contender": c, "every": every_of(job, c),
-            "rounds": len(rs), **{f"{k}_min": v for k, v in best.items()},
+            **shown, **{f"{k}_min": v for k, v in best.items()},
             **{f"{k}_overhead": best[k] / ref[k] - 1 for k in ref},
-            "paired": {k: paired(fits, n, diff).as_json() for k, (_, diff) in PAIRED.items()},
             "per_round_cpu": [r.process_cpu_s for r in rs], "per_round_wall": [r.fit_wall_s for r in rs],
-            "n_ckpt": ck, "foreign_cores_max": max(r.foreign_cores for r in rs),
+            "foreign_cores_max": max(r.foreign_cores for r in rs),
             "main_cpu_s": median([r.main_cpu_s for r in rs]), "other_cpu_s": median([r.other_cpu_s for r in rs]),
             "threads_cpu_s": {t: median([r.threads_cpu_s.get(t, 0.0) for r in rs])
                               for t in sorted({k for r in rs for k in r.threads_cpu_s})},
@@ -202,7 +211,6 @@ def summarize(job: FitJob, fits: list[FitResult], names: list[str], window: int 
             "train_cpu_first_ms": mean([r.train_cpu_ms[0] for r in rs if r.train_cpu_ms]),
             "train_cpu_steady_ms": mean([x for r in rs for x in r.train_cpu_ms[1:]]),
             "background_cpu_per_ckpt_ms": mean([r.background_cpu_s / r.n_ckpt * 1e3 for r in rs if r.n_ckpt]),
-            "own_cpu_per_ckpt_ms": median([r.own_cpu_s / r.n_ckpt * 1e3 for r in rs if r.n_ckpt]),
             "extra_cpu_per_ckpt_ms": (best["process_cpu_s"] - ref["process_cpu_s"]) / ck * 1e3 if ck else math.nan,
             "import_cpu_ms": median([r.import_cpu_ms for r in rs]),
             "clean_step_ms": median([clean_step(r) * 1e3 for r in rs]),

@@ -240,14 +240,15 @@ def rounds(job: FitJob, names: list[str], n: int, workdir: str, quiet: float = 0
     """``n`` rounds of one fit per configuration in ``names``, the order rotating by round so that no
     configuration always runs first or after the same one, after unmeasured warm-up fits; ``configs``: per name,
     the contender and the arguments of :func:`run_fit` (default: the name is the contender)."""
+    from _plain_job import rotated
+
     configs = configs or {}
     memory = any(CONTENDER[configs.get(c, {}).get("contender", c)].memory for c in names)
     for contender in ("mc_async", "ours") + (("ours_mem",) if memory else ()):  # imports, compiled into PYCACHE
         run_fit(FitJob(**{**asdict(job), "steps": 2 * job.every}), contender, workdir)
     fits = []
     for rnd in range(n):
-        k = (rnd + 1) % len(names)
-        for c in names[k:] + names[:k]:
+        for c in rotated(names, rnd + 1):
             kw = {"contender": c, **configs.get(c, {})}
             fits.append(quiet_fit(kw.pop("job", job), kw.pop("contender"), workdir, quiet, retry, rep=rnd, name=c,
                                   **kw))

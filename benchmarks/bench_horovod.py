@@ -20,6 +20,7 @@ import argparse
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,8 +30,9 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from _common import parser, write_report  # noqa: E402
-from _fit_figures import PAIRED, Paired, median, paired, paired_table, run_line, versus  # noqa: E402
+from _fit_figures import PAIRED, Paired, paired_row, paired_table, run_line, versus  # noqa: E402
 from _lightning_job import FitResult, _count_thread_cpu, _rusage_cpu, _threads_cpu, remove_memory  # noqa: E402
+from _plain_job import rotated  # noqa: E402
 
 CONTENDERS = {"none": "no checkpointing", "torch_save": "rank 0 torch.save (Horovod's examples)",
               "ours": "ours, disk", "ours_memory": "ours, memory + disk"}
@@ -102,10 +104,13 @@ def launch(a: argparse.Namespace, contender: str, rnd: int, workdir: str) -> Fit
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-        ranks = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(out, "rank-*.json")))]
+        ranks = []
+        for path in sorted(glob.glob(os.path.join(out, "rank-*.json"))):
+            with open(path) as f:
+                ranks.append(json.load(f))
     finally:
         remove_memory(a.shm, mem_job)
-        subprocess.run(["rm", "-rf", out])
+        shutil.rmtree(out, ignore_errors=True)
     if done.returncode != 0 or len(ranks) != a.ranks:
         raise RuntimeError(f"{contender} job failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
     threads: dict[str, float] = {}
@@ -123,11 +128,7 @@ def launch(a: argparse.Namespace, contender: str, rnd: int, workdir: str) -> Fit
 
 def markdown(fits: list[FitResult], a: argparse.Namespace, run: str) -> tuple[str, dict[str, Any]]:
     """The report (the paired table and the verdicts against the peer) and its summary."""
-    rows = {n: {"label": label, "rounds": sum(1 for r in fits if r.name == n),
-                "n_ckpt": median([float(r.n_ckpt) for r in fits if r.name == n]),
-                "own_cpu_per_ckpt_ms": median([r.own_cpu_s / r.n_ckpt * 1e3 for r in fits if r.name == n and r.n_ckpt]),
-                "paired": {k: paired(fits, n, diff).as_json() for k, (_, diff) in PAIRED.items()}}
-            for n, label in CONTENDERS.items()}
+    rows = {n: {"label": label, **paired_row(fits, n)} for n, label in CONTENDERS.items()}
     mb = fits[0].params * 12 / 1e6
     lines = [run, "", f"# bench_horovod: {a.ranks} ranks, GPT-2-shaped model ({fits[0].params / 1e6:.1f} M parameters "
              f"+ Adam: {mb:.0f} MB of state on every rank), {a.steps} steps, a checkpoint every {a.every}, "
@@ -164,10 +165,13 @@ def main(argv: list[str] | None = None) -> None:
         return
     workdir, fits = a.dir or tempfile.mkdtemp(prefix="bench_horovod-"), []
     names = list(CONTENDERS)
-    launch(a, "ours", -1, workdir)  # warm-up: imports compiled, page cache
-    for rnd in range(a.rounds):
-        k = (rnd + 1) % len(names)
-        fits += [launch(a, c, rnd, workdir) for c in names[k:] + names[:k]]
+    try:
+        launch(a, "ours", -1, workdir)  # warm-up: imports compiled, page cache
+        for rnd in range(a.rounds):
+            fits += [launch(a, c, rnd, workdir) for c in rotated(names, rnd + 1)]
+    finally:
+        if a.dir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
     run = run_line(f"`bench_horovod.py {' '.join(sys.argv[1:])}`")
     text, rows = markdown(fits, a, run)
     write_report(a.out, "bench_horovod", text, {"run": run, "args": vars(a), "rows": rows,
